@@ -1,0 +1,71 @@
+"""Recognising user arrays: numpy on the host; CuPy, ``__cuda_array_interface__`` or DLPack on GPUs.
+
+Every accepted array is viewed without a copy: a PyTorch CUDA tensor becomes a CuPy array over the
+same memory, a CPU DLPack tensor a numpy array over the same memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+
+
+def classify(x: Any, name: str) -> tuple[str, Any]:
+    """Return ("host", numpy array) or ("cuda", CuPy array) viewing the same memory as ``x``."""
+    if isinstance(x, np.ndarray):
+        return "host", x
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cuda", _cupy(name).asarray(x)
+    if hasattr(x, "__dlpack_device__"):
+        device_type = x.__dlpack_device__()[0]
+        if device_type == _DLPACK_CPU:
+            return "host", np.from_dlpack(x)
+        if device_type == _DLPACK_CUDA:
+            return "cuda", _cupy(name).from_dlpack(x)
+    raise TypeError(
+        f"{name}: expected a numpy array, a CuPy array, or an object with __cuda_array_interface__ or "
+        f"DLPack (e.g. a PyTorch tensor); got {type(x).__module__}.{type(x).__qualname__}"
+    )
+
+
+def flat(a: Any, name: str) -> Any:
+    """The 1-D view of a C-contiguous array; TypeError (saying how to fix it) when it is not contiguous."""
+    if not a.flags.c_contiguous:
+        raise TypeError(
+            f"{name}: the array of shape {a.shape} with strides {a.strides} is not C-contiguous; "
+            "collectives act on the flat buffer: pass a contiguous array (e.g. numpy.ascontiguousarray(x))"
+        )
+    return a.reshape(-1)
+
+
+def writable(a: Any, name: str) -> None:
+    """TypeError when ``a`` (numpy) is read-only; device arrays are always writable."""
+    flags = getattr(a, "flags", None)
+    if flags is not None and hasattr(flags, "writeable") and not flags.writeable:
+        raise TypeError(f"{name}: the array is read-only but this collective writes into it")
+
+
+def span(a: Any) -> tuple[int, int]:
+    """The [first, last) byte addresses of the (contiguous) array ``a``."""
+    if isinstance(a, np.ndarray):
+        ptr = a.__array_interface__["data"][0]
+    else:
+        ptr = a.data.ptr
+    return ptr, ptr + a.nbytes
+
+
+def overlap(a: Any, b: Any) -> bool:
+    """Whether the memory of the contiguous arrays ``a`` and ``b`` overlaps (empty arrays never do)."""
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a.nbytes > 0 and b.nbytes > 0 and a0 < b1 and b0 < a1
+
+
+def _cupy(name: str) -> Any:
+    try:
+        import cupy
+    except ImportError as e:
+        raise TypeError(f"{name}: a GPU array needs CuPy; install ringcomm with the 'cuda' extra") from e
+    return cupy

@@ -1,0 +1,164 @@
+"""The collectives: validate the arguments on the local rank, then run a schedule through the engine.
+
+Every check here happens before any communication, so a bad argument raises TypeError/ValueError
+on the rank that passed it and never leaves its peers waiting inside a ring (they time out with
+:class:`ringcomm.TimeoutError`, or with ``check=True`` all ranks raise :class:`MismatchError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import schedule
+from .arrays import classify, flat, overlap, span, writable
+from .engine import Context, fold
+from .ops import ReduceOp, check_dtype, parse_op
+
+
+def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
+    """(kind, flat view, device) for the input array ``x``."""
+    comm._usable()
+    kind, a = classify(x, name)
+    check_dtype(a.dtype, op)
+    if stream is not None and kind == "host":
+        raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
+    return kind, flat(a, name), comm._device(kind, stream)
+
+
+def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str = "out") -> Any:
+    """The flat view of a user-given output, checked for kind, dtype, size (unless None), writability."""
+    okind, o = classify(out, name)
+    if okind != kind:
+        raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
+    if o.dtype != dtype:
+        raise TypeError(f"{name}: dtype {o.dtype} differs from the input's {dtype}; pass an array of dtype {dtype}")
+    if count is not None and o.size != count:
+        raise ValueError(f"{name}: has {o.size} elements, expected {count}")
+    writable(o, name)
+    return flat(o, name)
+
+
+def _root(comm: Any, root: Any) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
+        raise ValueError(f"root must be an integer rank in [0, {comm.size}); got {root!r}")
+    return int(root)
+
+
+def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None) -> Any:
+    op = parse_op(op)
+    kind, src, device = _input(comm, x, "x", op, stream)
+    if out is None:
+        writable(src, "x (all_reduce writes its result into x when out is None)")
+        work = src
+    else:
+        work = _output(out, kind, src.dtype, src.size)
+        if overlap(work, src) and not _same(work, src):
+            raise ValueError("out partly overlaps x; pass out=None (in place) or a separate array")
+        if _same(work, src):
+            work = src
+    n, r, count = comm.size, comm.rank, src.size
+    ctx = Context("all_reduce", comm, device, src.dtype, op)
+    if 1 < n and src.nbytes <= comm.small_bytes:
+        # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
+        # then fold the N blocks locally in the ring's order (bitwise the ring's result).
+        blocks = comm._scratch_array(kind, device, n * count, src.dtype)
+        device.copy(blocks[r * count : (r + 1) * count], src)
+        whole = schedule.blocks(count, n)
+        comm._run(ctx, kind, count, schedule.all_gather(n, r), whole, blocks, blocks, algorithm="gather-fold")
+        fold(ctx, blocks, count, schedule.partition(count, n), work)
+    else:
+        steps = schedule.all_reduce(n, r)
+        comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))
+    return x if out is None else out
+
+
+def reduce_scatter(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None) -> Any:
+    op = parse_op(op)
+    kind, src, device = _input(comm, x, "x", op, stream)
+    bounds = comm.shard_bounds(src.size)
+    lo, hi = bounds[comm.rank]
+    result = _output(out, kind, src.dtype, hi - lo) if out is not None else device.xp.empty(hi - lo, src.dtype)
+    ctx = Context("reduce_scatter", comm, device, src.dtype, op)
+    work = comm._scratch_array(kind, device, src.size, src.dtype)
+    steps = schedule.reduce_scatter(comm.size, comm.rank)
+    comm._run(ctx, kind, src.size, steps, bounds, work, src, result_chunks=[comm.rank])
+    device.copy(result, work[lo:hi])
+    return out if out is not None else result
+
+
+def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) -> Any:
+    kind, src, device = _input(comm, shard, "shard", None, stream)
+    n, r = comm.size, comm.rank
+    ctx = Context("all_gather", comm, device, src.dtype, None)
+    agreed = False
+    if out is not None:
+        work = _output(out, kind, src.dtype, None)
+        count = work.size
+        bounds = schedule.partition(count, n)
+        lo, hi = bounds[r]
+        if src.size != hi - lo:
+            raise ValueError(
+                f"shard: has {src.size} elements, but rank {r}'s shard of out ({count} elements) is "
+                f"[{lo}, {hi}) = {hi - lo} elements (see Communicator.shard_bounds)"
+            )
+        if overlap(work, src) and not _same(work[lo:hi], src):
+            raise ValueError(f"shard overlaps out but is not out[{lo}:{hi}] (this rank's place in out)")
+    else:
+        # Shard sizes are only known to their owners: exchange them (this is the agreement check too).
+        sizes = comm._guarded(lambda: comm._agree(ctx, "all_gather", 0, -1, extra=src.size))[:, -1]
+        agreed = True
+        stops = np.cumsum(sizes)
+        bounds = [(int(b - s), int(b)) for b, s in zip(stops, sizes)]
+        work = device.xp.empty(int(stops[-1]), src.dtype)
+        lo, hi = bounds[r]
+    if not _same(work[lo:hi], src):
+        device.copy(work[lo:hi], src)
+    comm._run(ctx, kind, work.size, schedule.all_gather(n, r), bounds, work, work, agreed=agreed)
+    return out if out is not None else work
+
+
+def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
+    root = _root(comm, root)
+    kind, buf, device = _input(comm, x, "x", None, stream)
+    writable(buf, "x (broadcast writes root's data into x)")
+    n = comm.size
+    nchunks = schedule.chain_chunks(n, buf.size, buf.itemsize, comm.slice_bytes)
+    ctx = Context("broadcast", comm, device, buf.dtype, None)
+    steps = schedule.broadcast(n, comm.rank, root, nchunks)
+    comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
+    return x
+
+
+def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None, stream: Any = None) -> Any:
+    op = parse_op(op)
+    root = _root(comm, root)
+    kind, src, device = _input(comm, x, "x", op, stream)
+    n, is_root = comm.size, comm.rank == root
+    if out is not None:
+        o = _output(out, kind, src.dtype, src.size)
+        if overlap(o, src) and not _same(o, src):
+            raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")
+    if not is_root:
+        work = comm._scratch_array(kind, device, src.size, src.dtype)
+    elif out is None or _same(o, src):
+        writable(src, "x (reduce writes the result into x at the root when out is None)")
+        work = src
+    else:
+        work = o
+    nchunks = schedule.chain_chunks(n, src.size, src.itemsize, comm.slice_bytes)
+    ctx = Context("reduce", comm, device, src.dtype, op)
+    steps = schedule.reduce(n, comm.rank, root, nchunks)
+    result = range(nchunks) if is_root else ()
+    comm._run(
+        ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root
+    )
+    if not is_root:
+        return None
+    return x if out is None else out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are exactly the same memory (same start, same length)."""
+    return a.nbytes == b.nbytes and span(a) == span(b)

@@ -1,0 +1,234 @@
+"""The Communicator: an mpi4py communicator seen as a ring, with the collectives as methods."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import collectives, devices, transports
+from .engine import Context, execute
+from .errors import MismatchError, RingcommError
+from .ops import SUPPORTED_DTYPES, ReduceOp
+from .schedule import Bounds, partition
+from .transports.base import wait
+
+log = logging.getLogger("ringcomm")
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_SLICE_BYTES = 1 << 20
+DEFAULT_SMALL_BYTES = 4096
+
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
+_OPS = (None,) + tuple(ReduceOp)
+
+
+def _env(name: str, convert: Any, default: Any) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return convert(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not valid: {e}") from None
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 0 or 1")
+
+
+class Communicator:
+    """A ring over the ranks of an mpi4py intracommunicator.
+
+    Rank r sends to ``right`` = (r + 1) % size and receives from ``left`` = (r - 1) % size. The
+    wrapped communicator is duplicated, so ringcomm's messages never mix with the caller's.
+
+    ``timeout``: seconds any wait may last before :class:`ringcomm.TimeoutError` (env
+    ``RINGCOMM_TIMEOUT`` overrides). ``check``: before each collective, all ranks verify that they
+    agree on its kind, count, dtype, op, root and call number, raising :class:`ringcomm.MismatchError`
+    on every rank when they do not (env ``RINGCOMM_CHECK``). ``slice_bytes``: the MPI message size a
+    chunk is cut into (env ``RINGCOMM_SLICE_BYTES``). ``small_bytes``: all-reduces of at most this
+    many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
+    (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off). Creating a Communicator is collective.
+    """
+
+    def __init__(
+        self, mpi_comm: MPI.Intracomm, *, timeout: float = DEFAULT_TIMEOUT, check: bool = False,
+        slice_bytes: int = DEFAULT_SLICE_BYTES, small_bytes: int = DEFAULT_SMALL_BYTES,
+    ) -> None:
+        if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
+            raise TypeError(f"Communicator needs an mpi4py intracommunicator; got {mpi_comm!r}")
+        self.timeout = float(_env("RINGCOMM_TIMEOUT", float, timeout))
+        self.check = bool(_env("RINGCOMM_CHECK", _flag, check))
+        self.slice_bytes = int(_env("RINGCOMM_SLICE_BYTES", int, slice_bytes))
+        self.small_bytes = int(_env("RINGCOMM_SMALL_BYTES", int, small_bytes))
+        transports.override()  # an unknown RINGCOMM_TRANSPORT fails here, not inside a collective
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds; got {self.timeout}")
+        if self.slice_bytes < 1 or self.small_bytes < 0:
+            raise ValueError(f"need slice_bytes >= 1 and small_bytes >= 0; got {self.slice_bytes}, {self.small_bytes}")
+        self.mpi: MPI.Intracomm = mpi_comm.Dup()
+        self.rank: int = self.mpi.rank
+        self.size: int = self.mpi.size
+        self.left = (self.rank - 1) % self.size
+        self.right = (self.rank + 1) % self.size
+        #: the ranks that share this rank's node (MPI's shared-memory split), for transport choice
+        self.node_comm: MPI.Intracomm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        self.single_node: bool = self.node_comm.size == self.size
+        #: payload bytes this rank has sent in collectives (not counting metadata or checks)
+        self.bytes_sent = 0
+        self._seq = 0
+        self._aborted: str | None = None
+        self._transports: dict[str, Any] = {}
+        self._scratch: dict[str, Any] = {}
+        self._host = devices.HostDevice()
+
+    # ------------------------------------------------------------------ the collectives
+    def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
+        """Reduce ``x`` over all ranks; the result is in ``out`` or, when out is None, in place in ``x``.
+
+        Returns the result array (``out``, or ``x`` itself). Every rank ends with bitwise identical
+        values. GPU arrays run on ``stream`` (default: CuPy's current stream).
+        """
+        return collectives.all_reduce(self, x, op, out=out, stream=stream)
+
+    def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
+        """Reduce ``x`` over all ranks and return this rank's shard ``shard_bounds(x.size)[rank]``.
+
+        ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
+        """
+        return collectives.reduce_scatter(self, x, op, out=out, stream=stream)
+
+    def all_gather(self, shard: Any, *, out: Any = None, stream: Any = None) -> Any:
+        """Concatenate every rank's ``shard`` in rank order; returns ``out`` (allocated when None).
+
+        With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
+        of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
+        """
+        return collectives.all_gather(self, shard, out=out, stream=stream)
+
+    def broadcast(self, x: Any, root: int = 0, *, stream: Any = None) -> Any:
+        """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
+        return collectives.broadcast(self, x, root, stream=stream)
+
+    def reduce(
+        self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None
+    ) -> Any:
+        """Reduce ``x`` onto ``root``: its result goes to ``out`` or in place in ``x`` and is returned.
+
+        On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
+        """
+        return collectives.reduce(self, x, op, root, out=out, stream=stream)
+
+    def barrier(self) -> None:
+        """Wait until every rank has called barrier (with the communicator's deadline)."""
+        self._usable()
+        ctx = Context("barrier", self, self._host, np.dtype(np.uint8), None)
+        self._guarded(lambda: wait([self.mpi.Ibarrier()], ctx, None, self.left, "barrier"))
+
+    def shard_bounds(self, count: int) -> Bounds:
+        """The (start, stop) of every rank's shard of ``count`` elements, as reduce_scatter cuts them.
+
+        Boundaries are multiples of :data:`ringcomm.schedule.ALIGN` (16) elements, so for counts
+        below 16·size some shards are empty; see :func:`ringcomm.schedule.partition`.
+        """
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"count must be a non-negative integer; got {count!r}")
+        return list(partition(int(count), self.size))
+
+    def transport_name(self, array: Any) -> str:
+        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", ...)."""
+        return self._transport(collectives.classify(array, "array")[0]).name
+
+    def __repr__(self) -> str:
+        return f"<ringcomm.Communicator rank {self.rank} of {self.size}, timeout {self.timeout:g} s>"
+
+    # ------------------------------------------------------------------ used by collectives
+    def _transport(self, kind: str) -> Any:
+        if kind not in self._transports:
+            self._transports[kind] = transports.select(self, kind)
+        return self._transports[kind]
+
+    def _device(self, kind: str, stream: Any) -> Any:
+        return self._host if kind == "host" else devices.get(kind, stream)
+
+    def _scratch_array(self, kind: str, device: Any, count: int, dtype: np.dtype) -> Any:
+        """A scratch array of ``count`` elements, reusing (and growing) one buffer per device kind."""
+        need = count * np.dtype(dtype).itemsize
+        buf = self._scratch.get(kind)
+        if buf is None or buf.size < need:
+            buf = self._scratch[kind] = device.empty(max(need, 1), "u1")
+        return buf[:need].view(dtype)
+
+    def _usable(self) -> None:
+        if self._aborted:
+            raise RingcommError(f"this communicator was aborted by an earlier error ({self._aborted}); create a new one")
+
+    def _guarded(self, fn: Any) -> Any:
+        """Run the exchange ``fn``; a timeout aborts the communicator (a message may still be pending).
+
+        A MismatchError does not: it is raised alike on every rank before any data moved.
+        """
+        try:
+            return fn()
+        except MismatchError:
+            raise
+        except RingcommError as e:
+            self._aborted = f"{type(e).__name__}: {e}"
+            raise
+
+    def _agree(self, ctx: Context, kind: str, count: int, root: int, extra: int = 0) -> np.ndarray:
+        """Exchange (call number, collective, count, dtype, op, root, extra) with every rank.
+
+        Returns the gathered table (one row per rank). Raises MismatchError, on every rank alike,
+        when ranks disagree on anything but ``extra``.
+        """
+        self._seq += 1
+        mine = np.array(
+            [self._seq, _KINDS.index(kind), count, SUPPORTED_DTYPES.index(ctx.dtype), _OPS.index(ctx.op), root, extra],
+            np.int64,
+        )
+        table = np.empty((self.size, mine.size), np.int64)
+        wait([self.mpi.Iallgather(mine, table)], ctx, None, self.left, "argument agreement")
+        names = ("call number", "collective", "count", "dtype", "op", "root")
+        show = (int, lambda i: _KINDS[i], int, lambda i: SUPPORTED_DTYPES[i], lambda i: _OPS[i], int)
+        for j, (name, fmt) in enumerate(zip(names, show)):
+            if (table[:, j] != table[0, j]).any():
+                values = ", ".join(f"rank {r}: {fmt(int(v))}" for r, v in enumerate(table[:, j]))
+                raise MismatchError(f"{ctx.collective}: ranks disagree on the {name} ({values})")
+        return table
+
+    def _run(
+        self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, work: Any, src: Any, result_chunks: Any = (),
+        root: int = -1, agreed: bool = False, algorithm: str = "ring",
+    ) -> None:
+        """Run one collective's schedule through the engine (after the agreement check, if enabled
+        and not ``agreed`` already). ``count``: the user's element count (checked and logged)."""
+        if self.check and not agreed:
+            self._guarded(lambda: self._agree(ctx, ctx.collective, count, root))
+        transport = self._transport(kind)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: rank %d/%d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d",
+                ctx.collective, self.rank, self.size, count, ctx.dtype, ctx.op, algorithm, transport.name,
+                ctx.device.name, len(steps),
+            )
+        try:
+            self.bytes_sent += execute(ctx, steps, bounds, work, src, transport, result_chunks)
+        except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
+            self._aborted = f"{type(e).__name__}: {e}"
+            raise
+
+def init(**options: Any) -> Communicator:
+    """A Communicator over mpi4py's COMM_WORLD (MPI is initialised by importing mpi4py.MPI).
+
+    ``options`` are the Communicator's keyword arguments (timeout, check, slice_bytes, small_bytes).
+    """
+    return Communicator(MPI.COMM_WORLD, **options)

@@ -1,0 +1,58 @@
+"""The host device: reductions and copies with numpy ufuncs into preallocated views."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import HALF_DTYPES, ReduceOp
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+class HostDevice:
+    """Reduce and copy numpy arrays in the calling thread (synchronous)."""
+
+    name = "host"
+    xp = np
+
+    def __init__(self) -> None:
+        self._f32 = np.empty(0, np.float32)  # accumulation scratch for half types, grown once
+
+    def reduce(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1) -> None:
+        """``dst[:] = op(a, b)``, divided by ``div`` when div != 1; ``dst`` may be ``a``.
+
+        Half types are combined in float32 and rounded once (so the AVG division is fused).
+        """
+        ufunc = _UFUNCS[op]
+        if div != 1 and dst.dtype in HALF_DTYPES:
+            tmp = self._scratch(dst.size)
+            ufunc(a, b, out=tmp, dtype=np.float32)
+            if div != 1:
+                np.divide(tmp, div, out=tmp)
+            dst[...] = tmp
+            return
+        ufunc(a, b, out=dst)
+        if div != 1:
+            np.divide(dst, div, out=dst)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """``dst[:] = src``."""
+        np.copyto(dst, src)
+
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A new scratch array (called outside the hot loop)."""
+        return np.empty(count, dtype)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: every host operation is complete when it returns."""
+
+    def _scratch(self, count: int) -> np.ndarray:
+        if self._f32.size < count:
+            self._f32 = np.empty(count, np.float32)
+        return self._f32[:count]

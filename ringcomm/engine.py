@@ -1,0 +1,109 @@
+"""The engine: the one loop that executes a schedule.
+
+For each step: hand the outgoing chunk to the transport, obtain the incoming chunk piece by piece,
+reduce or copy each piece with the device, and let the transport finish the step. The schedule says
+which chunk moves; the transport says how bytes travel; the device says how they are combined.
+
+Two buffers take part: ``src`` holds this rank's contribution and ``work`` receives the result
+(they may be the same array). A chunk is read from ``work`` once this rank has written it in this
+collective, from ``src`` before that, so an out-of-place collective needs no initial copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .ops import ReduceOp
+from .schedule import Bounds, Step
+
+
+class Context:
+    """What one collective call's transports need to know: names for errors, the deadline."""
+
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "deadline")
+
+    def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
+        self.collective = collective
+        self.comm = comm  # the ringcomm Communicator: rank, size, left, right, mpi, timeout
+        self.device = device  # reduces and copies (ringcomm.devices)
+        self.dtype = dtype
+        self.op = op
+        #: time.monotonic() after which every wait raises ringcomm.TimeoutError
+        self.deadline = time.monotonic() + comm.timeout
+
+
+def execute(
+    ctx: Context,
+    steps: Sequence[Step],
+    bounds: Bounds,
+    work: Any,
+    src: Any,
+    transport: Any,
+    result_chunks: Iterable[int] = (),
+) -> int:
+    """Run ``steps`` for this rank; return the number of payload bytes this rank sent.
+
+    ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is copied
+    from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
+    """
+    op, device = ctx.op or ReduceOp.SUM, ctx.device
+    n = ctx.comm.size
+    written = [work is src] * len(bounds)
+    sent = 0
+    transport.begin(ctx, work, src, bounds)
+    try:
+        for st in steps:
+            send = None
+            if st.send is not None:
+                lo, hi = bounds[st.send]
+                send = (work if written[st.send] else src)[lo:hi]
+                sent += send.nbytes
+            if st.recv is None:
+                transport.post(st, send, 0, None)
+            else:
+                lo, hi = bounds[st.recv]
+                dst = work[lo:hi]
+                transport.post(st, send, hi - lo, None if st.reduce else dst)
+                if st.reduce:
+                    local = dst if written[st.recv] else src[lo:hi]
+                    div = n if st.final and op is ReduceOp.AVG else 1
+                    for a, b, incoming in transport.recv(st):
+                        device.reduce(dst[a:b], local[a:b], incoming, op, div)
+                else:
+                    for a, b, incoming in transport.recv(st):
+                        if incoming is not None:
+                            device.copy(dst[a:b], incoming)
+                written[st.recv] = True
+            transport.step_done(st)
+        transport.end()
+    except BaseException:
+        transport.abort()
+        raise
+    for c in result_chunks:
+        if not written[c]:
+            lo, hi = bounds[c]
+            device.copy(work[lo:hi], src[lo:hi])
+    return sent
+
+
+def fold(ctx: Context, blocks: Any, count: int, bounds: Bounds, work: Any) -> None:
+    """Reduce the N gathered blocks ``blocks[i*count:(i+1)*count]`` into ``work`` chunk by chunk.
+
+    Each chunk c of ``bounds`` is combined in the ring's order (rank c+1's data first, rank c's
+    last, as reduce-scatter does), so the result is bitwise the one the ring schedule gives, and
+    identical on every rank.
+    """
+    n, op, device = ctx.comm.size, ctx.op or ReduceOp.SUM, ctx.device
+    for c, (lo, hi) in enumerate(bounds):
+        if hi == lo:
+            continue
+        acc = blocks[((c + 1) % n) * count + lo : ((c + 1) % n) * count + hi]
+        for k in range(2, n + 1):
+            j = (c + k) % n
+            div = n if k == n and op is ReduceOp.AVG else 1
+            device.reduce(work[lo:hi], blocks[j * count + lo : j * count + hi], acc, op, div)
+            acc = work[lo:hi]

@@ -1,0 +1,57 @@
+"""Reduction operators and the dtypes each one accepts."""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Element types the collectives accept, host and GPU alike.
+FLOAT_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
+INT_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)
+)
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
+HALF_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float16), bfloat16)
+
+
+class ReduceOp(str, enum.Enum):
+    """Reduction operator; the lower-case strings ("sum", ...) are accepted wherever an op is."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_BY_NAME = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_INTS = frozenset(INT_DTYPES)
+
+
+def parse_op(op: ReduceOp | str) -> ReduceOp:
+    """Return the ReduceOp for ``op`` (a ReduceOp or its name, any case); ValueError otherwise."""
+    found = _BY_NAME.get(op) if isinstance(op, str) else None
+    if found is None and isinstance(op, str):
+        found = _BY_NAME.get(op.lower())
+    if found is not None:
+        return found
+    raise ValueError(f"unsupported op {op!r}; accepted: {', '.join(o.value for o in ReduceOp)} (or ringcomm.ReduceOp)")
+
+
+def check_dtype(dtype: np.dtype, op: ReduceOp | None = None) -> np.dtype:
+    """Raise TypeError unless ``dtype`` is supported (and, given ``op``, makes sense with it)."""
+    dtype = np.dtype(dtype)
+    if dtype not in _SUPPORTED:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"unsupported dtype {dtype}; accepted: {names}")
+    if op is ReduceOp.AVG and dtype in _INTS:
+        raise TypeError(f"op 'avg' on integer dtype {dtype} would silently floor; use 'sum' and divide yourself")
+    return dtype

@@ -1,0 +1,254 @@
+"""The ring schedule: pure data, no MPI and no arrays.
+
+A buffer of ``count`` elements is cut into chunks (:func:`partition`). Each collective is a list of
+:class:`Step` per rank: which chunk the rank sends to its right neighbour, which chunk it receives
+from its left neighbour, and whether the incoming chunk is reduced into the local one or copied.
+The engine executes these lists; a transport never decides which chunk moves.
+
+Ring order is rank order: rank r sends to (r + 1) % N and receives from (r - 1) % N.
+
+- reduce-scatter (N-1 steps): at step s rank r sends chunk (r - s - 1) % N and reduces the chunk
+  (r - s - 2) % N that arrives from the left. After the last step rank r holds chunk r fully reduced.
+- all-gather (N-1 steps): at step s rank r sends chunk (r - s) % N and copies in chunk (r - s - 1) % N.
+- all-reduce = reduce-scatter then all-gather: 2(N-1) steps, each rank sends 2(N-1)/N of the buffer.
+- broadcast: a pipelined chain root -> root+1 -> ... -> root-1 over ``nchunks`` pieces; the rank at
+  distance d >= 1 from the root copies in piece t-d+1 at step t and forwards piece t-d.
+- reduce: the same chain in reverse role, ending at the root: root+1 sends its own pieces, every
+  later rank reduces what arrives with its own data and forwards the partial result.
+
+Run ``python -m ringcomm.schedule --ranks 5 --collective all_reduce`` to print a schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+#: Chunk boundaries fall on multiples of this many elements (16 elements is 16-byte aligned for every
+#: dtype, so GPU kernels can use vector loads on every chunk of an aligned buffer).
+ALIGN = 16
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def partition(count: int, parts: int, align: int = ALIGN) -> Bounds:
+    """Cut ``count`` elements into ``parts`` contiguous (start, stop) ranges.
+
+    The buffer is seen as ceil(count / align) units of ``align`` elements; units are dealt out as
+    evenly as possible, the first ranges getting one more unit, and the last nonempty range ends at
+    ``count``. Every boundary except ``count`` is a multiple of ``align``. Ranges may be empty
+    (when count < parts * align); sizes differ by less than 2 * ``align`` elements.
+    """
+    if count < 0 or parts < 1 or align < 1:
+        raise ValueError(f"partition needs count >= 0, parts >= 1, align >= 1; got {count}, {parts}, {align}")
+    units = -(-count // align)
+    base, extra = divmod(units, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = min(count, start + (base + (i < extra)) * align)
+        bounds.append((start, stop))
+        start = stop
+    return tuple(bounds)
+
+
+@functools.lru_cache(maxsize=256)
+def blocks(count: int, parts: int) -> Bounds:
+    """``parts`` consecutive ranges of ``count`` elements each (a buffer of parts whole copies)."""
+    return tuple((i * count, (i + 1) * count) for i in range(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of one rank.
+
+    ``send``: chunk sent to the right neighbour (None: nothing). ``recv``: chunk arriving from the
+    left neighbour (None: nothing). ``reduce``: combine the incoming chunk with the local one (True)
+    or copy it in (False). ``final``: this is the last reduction of that chunk (AVG divides here).
+    """
+
+    index: int
+    phase: str
+    send: int | None
+    recv: int | None
+    reduce: bool = False
+    final: bool = False
+
+
+@functools.lru_cache(maxsize=256)
+def reduce_scatter(n: int, rank: int) -> tuple[Step, ...]:
+    """Steps of rank ``rank`` in an N-rank ring reduce-scatter; chunk r ends fully reduced on rank r."""
+    _check(n, rank)
+    return tuple(
+        Step(s, "reduce-scatter", (rank - s - 1) % n, (rank - s - 2) % n, reduce=True, final=s == n - 2)
+        for s in range(n - 1)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def all_gather(n: int, rank: int, first: int = 0) -> tuple[Step, ...]:
+    """Steps of an N-rank ring all-gather where rank r starts with chunk r (indices from ``first``)."""
+    _check(n, rank)
+    return tuple(Step(first + s, "all-gather", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1))
+
+
+@functools.lru_cache(maxsize=256)
+def all_reduce(n: int, rank: int) -> tuple[Step, ...]:
+    """Reduce-scatter then all-gather: 2(N-1) steps."""
+    return reduce_scatter(n, rank) + all_gather(n, rank, first=n - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def broadcast(n: int, rank: int, root: int, nchunks: int) -> tuple[Step, ...]:
+    """Pipelined chain from ``root`` over ``nchunks`` pieces: N + nchunks - 2 steps (0 when N == 1)."""
+    _check(n, rank, root)
+    d = (rank - root) % n  # distance from the root along the ring
+    steps = []
+    for t in range(n + nchunks - 2 if n > 1 else 0):
+        recv = t - d + 1 if d >= 1 and 0 <= t - d + 1 < nchunks else None
+        send = t - d if d <= n - 2 and 0 <= t - d < nchunks else None
+        steps.append(Step(t, "broadcast", send, recv))
+    return steps
+
+
+@functools.lru_cache(maxsize=256)
+def reduce(n: int, rank: int, root: int, nchunks: int) -> tuple[Step, ...]:
+    """Pipelined chain ending at ``root``: root+1 sends, each later rank reduces and forwards."""
+    _check(n, rank, root)
+    p = (rank - root - 1) % n  # position in the chain: 0 is root+1, N-1 is the root
+    steps = []
+    for t in range(n + nchunks - 2 if n > 1 else 0):
+        recv = t - p + 1 if p >= 1 and 0 <= t - p + 1 < nchunks else None
+        send = t - p if p <= n - 2 and 0 <= t - p < nchunks else None
+        steps.append(Step(t, "reduce", send, recv, reduce=True, final=p == n - 1))
+    return steps
+
+
+def chain_chunks(n: int, count: int, itemsize: int, piece_bytes: int) -> int:
+    """Number of pipeline pieces for broadcast/reduce: at least N, about ``piece_bytes`` each, at most 8N."""
+    want = -(-count * itemsize // max(1, piece_bytes))
+    return max(n, min(8 * n, want))
+
+
+def _check(n: int, rank: int, root: int = 0) -> None:
+    if n < 1 or not 0 <= rank < n or not 0 <= root < n:
+        raise ValueError(f"need 0 <= rank, root < n with n >= 1; got n={n}, rank={rank}, root={root}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Simulator: runs a schedule for N virtual ranks in one process, on numpy arrays, step by step, with
+# every rank's sends of a step taken before any rank writes (what the transports guarantee).
+
+_SIM_OPS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add,
+}
+
+
+def simulate(
+    schedules: Sequence[Sequence[Step]],
+    bufs: Sequence[np.ndarray],
+    bounds: Bounds,
+    op: str = "sum",
+) -> list[np.ndarray]:
+    """Run per-rank ``schedules`` on copies of ``bufs`` (one 1-D array per rank); return the results.
+
+    The steps are executed in lock step. A rank whose ``recv`` is set must be matched by its left
+    neighbour's ``send`` of the same chunk at the same step; a mismatch raises AssertionError.
+    """
+    n = len(bufs)
+    work = [b.copy() for b in bufs]
+    nsteps = {len(s) for s in schedules}
+    assert len(nsteps) <= 1, "ranks disagree on the number of steps"
+    for k in range(nsteps.pop() if nsteps else 0):
+        sent = {}
+        for r in range(n):
+            st = schedules[r][k]
+            if st.send is not None:
+                lo, hi = bounds[st.send]
+                sent[(r + 1) % n] = (st.send, work[r][lo:hi].copy())
+        for r in range(n):
+            st = schedules[r][k]
+            if st.recv is None:
+                assert r not in sent, f"step {k}: rank {r} is sent chunk {sent[r][0]} but receives nothing"
+                continue
+            chunk, data = sent.pop(r, (None, None))
+            assert chunk == st.recv, f"step {k}: rank {r} expects chunk {st.recv}, its left sends {chunk}"
+            lo, hi = bounds[chunk]
+            if st.reduce:
+                work[r][lo:hi] = _SIM_OPS[op](work[r][lo:hi], data)
+                if st.final and op == "avg":
+                    work[r][lo:hi] = work[r][lo:hi] / n
+            else:
+                work[r][lo:hi] = data
+    return work
+
+
+# --------------------------------------------------------------------------------------------------
+# The table a person reads.
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+def steps_for(collective: str, n: int, rank: int, root: int = 0, nchunks: int | None = None) -> tuple[Step, ...]:
+    """The steps of ``collective`` for one rank (``nchunks`` for broadcast/reduce, default N)."""
+    if collective == "all_reduce":
+        return all_reduce(n, rank)
+    if collective == "reduce_scatter":
+        return reduce_scatter(n, rank)
+    if collective == "all_gather":
+        return all_gather(n, rank)
+    if collective == "broadcast":
+        return broadcast(n, rank, root, nchunks or n)
+    if collective == "reduce":
+        return reduce(n, rank, root, nchunks or n)
+    raise ValueError(f"unknown collective {collective!r}; accepted: {', '.join(COLLECTIVES)}")
+
+
+def format_table(collective: str, n: int, root: int = 0, nchunks: int | None = None) -> str:
+    """One row per step, one column per rank: ``s3 r2+`` = sends chunk 3, receives chunk 2 and reduces."""
+    per_rank = [steps_for(collective, n, r, root, nchunks) for r in range(n)]
+    head = ["step", "phase"] + [f"rank {r}" for r in range(n)]
+    rows = []
+    for k in range(len(per_rank[0])):
+        cells = []
+        for r in range(n):
+            st = per_rank[r][k]
+            send = f"s{st.send}" if st.send is not None else "  "
+            recv = f"r{st.recv}{'+' if st.reduce else '='}" if st.recv is not None else ""
+            cells.append(f"{send} {recv}".rstrip())
+        rows.append([str(k), per_rank[0][k].phase] + cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = [f"{collective} on a ring of {n} ranks (rank r sends to r+1, receives from r-1)"]
+    lines.append("sK = sends chunk K right; rK+ = receives chunk K from the left and reduces it in; rK= = copies it in")
+    for row in [head] + rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if collective in ("all_reduce", "reduce_scatter"):
+        lines.append("after reduce-scatter, rank r holds chunk r fully reduced")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ringcomm.schedule", description="Print a ring schedule.")
+    ap.add_argument("--ranks", "-n", type=int, default=5, help="number of ranks N (default 5)")
+    ap.add_argument("--collective", "-c", default="all_reduce", choices=COLLECTIVES)
+    ap.add_argument("--root", type=int, default=0, help="root rank for broadcast/reduce")
+    ap.add_argument("--chunks", type=int, default=None, help="pipeline pieces for broadcast/reduce (default N)")
+    ap.add_argument("--count", type=int, default=None, help="also print the partition of COUNT elements")
+    a = ap.parse_args(argv)
+    if a.ranks < 1 or not 0 <= a.root < a.ranks:
+        ap.error(f"need --ranks >= 1 and 0 <= --root < --ranks; got {a.ranks}, {a.root}")
+    print(format_table(a.collective, a.ranks, a.root, a.chunks))
+    if a.count is not None:
+        print(f"partition of {a.count} elements (boundaries aligned to {ALIGN}):")
+        for r, (lo, hi) in enumerate(partition(a.count, a.ranks)):
+            print(f"  chunk {r}: [{lo}, {hi})  {hi - lo} elements")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Shared test helpers: fresh random seeds agreed by all ranks, references, tolerances."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm.ops import FLOAT_DTYPES, INT_DTYPES, ReduceOp, bfloat16
+
+#: a short deadline so that a failing multi-rank test ends in seconds instead of hanging
+TEST_TIMEOUT = float(os.environ.get("RINGCOMM_TEST_TIMEOUT", "30"))
+
+
+def shared_seed(mpi: MPI.Intracomm) -> int:
+    """A fresh random seed, the same on every rank (printed, so a failure can be replayed)."""
+    seed = mpi.bcast(int(os.environ.get("RINGCOMM_TEST_SEED", secrets.randbits(32))), root=0)
+    if mpi.rank == 0:
+        print(f"[ringcomm tests] seed {seed} (set RINGCOMM_TEST_SEED={seed} to replay)")
+    return seed
+
+
+def make_comm(**kw) -> ringcomm.Communicator:
+    kw.setdefault("timeout", TEST_TIMEOUT)
+    return ringcomm.Communicator(MPI.COMM_WORLD, **kw)
+
+
+def random_input(rng: np.random.Generator, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
+    """Random data that never overflows the op over 5 ranks, with no all-zero or all-one pattern."""
+    dtype = np.dtype(dtype)
+    if dtype in INT_DTYPES:
+        lo = 0 if dtype.kind == "u" else -1
+        if op is ReduceOp.PROD:
+            vals = rng.integers(lo * 2, 3, count)
+        else:
+            vals = rng.integers(lo * 20, 21, count)
+        return vals.astype(dtype)
+    if op is ReduceOp.PROD:  # magnitudes near 1 so products stay in range for float16
+        vals = rng.uniform(0.5, 1.5, count) * rng.choice([-1.0, 1.0], count)
+    else:
+        vals = rng.standard_normal(count) * 4
+    return vals.astype(dtype)
+
+
+def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """The exact reduction of float64 copies of every rank's input (ints: in their own type)."""
+    dtype = inputs[0].dtype
+    if dtype in INT_DTYPES:
+        stack = np.stack(inputs)
+        with np.errstate(over="ignore"):
+            return {
+                ReduceOp.SUM: lambda: stack.sum(0, dtype=dtype),
+                ReduceOp.PROD: lambda: stack.prod(0, dtype=dtype),
+                ReduceOp.MIN: lambda: stack.min(0),
+                ReduceOp.MAX: lambda: stack.max(0),
+            }[op]()
+    stack = np.stack([a.astype(np.float64) for a in inputs])
+    return {
+        ReduceOp.SUM: lambda: stack.sum(0),
+        ReduceOp.AVG: lambda: stack.sum(0) / len(inputs),
+        ReduceOp.PROD: lambda: stack.prod(0),
+        ReduceOp.MIN: lambda: stack.min(0),
+        ReduceOp.MAX: lambda: stack.max(0),
+    }[op]()
+
+
+def unit_roundoff(dtype: np.dtype) -> float:
+    """u = 2**-p for a float type with p significand bits (float16 2^-11, bfloat16 2^-8)."""
+    return {
+        np.dtype(np.float16): 2.0**-11, bfloat16: 2.0**-8, np.dtype(np.float32): 2.0**-24, np.dtype(np.float64): 2.0**-53,
+    }[np.dtype(dtype)]
+
+
+def assert_matches(got: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, what: str) -> None:
+    """Ints and MIN/MAX exactly; SUM/AVG within N·u·Σ|x| (+ u·|ref|), PROD within (N+1)·u·|ref|.
+
+    That is the classical bound for recursive summation in any order, with one more rounding for
+    the result; it holds for every order the ring may use.
+    """
+    ref = reference(inputs, op)
+    if inputs[0].dtype in INT_DTYPES or op in (ReduceOp.MIN, ReduceOp.MAX):
+        ok = got.astype(np.float64) == ref.astype(np.float64)
+        bad = np.flatnonzero(~ok)
+        assert bad.size == 0, f"{what}: {bad.size} wrong, first at {bad[:5]}: got {got[bad[:5]]}, want {ref[bad[:5]]}"
+        return
+    n, u = len(inputs), unit_roundoff(inputs[0].dtype)
+    g = got.astype(np.float64)
+    if op is ReduceOp.PROD:
+        tol = (n + 1) * u * np.abs(ref)
+    else:
+        scale = np.sum([np.abs(a.astype(np.float64)) for a in inputs], axis=0)
+        if op is ReduceOp.AVG:
+            scale = scale / n
+        tol = n * u * scale + u * np.abs(ref)
+    err = np.abs(g - ref)
+    bad = np.flatnonzero(~(err <= tol * 1.0000001 + np.finfo(np.float64).tiny))
+    assert bad.size == 0, (
+        f"{what}: {bad.size} of {got.size} outside tolerance, first at {bad[:5]}: got {g[bad[:5]]}, "
+        f"want {ref[bad[:5]]}, tol {tol[bad[:5]]}"
+    )
+
+
+def gather_all(mpi: MPI.Intracomm, a: np.ndarray) -> list[np.ndarray]:
+    """Every rank's array (any sizes), gathered on every rank through MPI as raw bytes."""
+    raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    sizes = mpi.allgather(raw.size)
+    buf = np.empty(sum(sizes), np.uint8)
+    mpi.Allgatherv(raw, [buf, sizes])
+    out, start = [], 0
+    for s in sizes:
+        out.append(buf[start : start + s].view(a.dtype))
+        start += s
+    return out
+
+
+def assert_identical_on_all_ranks(mpi: MPI.Intracomm, a: np.ndarray, what: str) -> None:
+    """The bytes of ``a`` are the same on every rank."""
+    everyone = gather_all(mpi, a)
+    for r, b in enumerate(everyone):
+        assert b.view(np.uint8).tobytes() == everyone[0].view(np.uint8).tobytes(), f"{what}: rank {r} differs from rank 0"
+
+
+DTYPES = FLOAT_DTYPES + INT_DTYPES
+
+
+def ops_for(dtype: np.dtype) -> list[ReduceOp]:
+    return [op for op in ReduceOp if not (op is ReduceOp.AVG and np.dtype(dtype) in INT_DTYPES)]
+
+
+@pytest.fixture
+def seed() -> int:
+    return shared_seed(MPI.COMM_WORLD)

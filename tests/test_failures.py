@@ -1,0 +1,90 @@
+"""Disagreeing ranks raise MismatchError everywhere (check=True); a missing peer gives TimeoutError."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import make_comm
+from mpi4py import MPI
+
+import ringcomm
+
+
+def expect_mismatch(comm: ringcomm.Communicator, call, match: str) -> None:
+    with pytest.raises(ringcomm.MismatchError, match=match):
+        call()
+    comm.mpi.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_mismatch_is_detected_on_every_rank():
+    comm = make_comm(check=True)
+    r, n = comm.rank, comm.size
+    x = np.ones(64, np.float32)
+    comm.all_reduce(x)  # agreement passes: everybody agrees
+    assert (x == n).all()
+
+    def count_differs():
+        comm.all_reduce(np.ones(10 + (r == 0), np.float32))
+
+    def op_differs():
+        comm.all_reduce(np.ones(8, np.float32), "max" if r == n - 1 else "sum")
+
+    def dtype_differs():
+        comm.reduce_scatter(np.ones(8, np.float64 if r == 0 else np.float32))
+
+    def collective_differs():
+        if r == 0:
+            comm.broadcast(np.ones(8, np.float32))
+        else:
+            comm.all_reduce(np.ones(8, np.float32))
+
+    def root_differs():
+        comm.broadcast(np.ones(8, np.float32), root=r % 2)
+
+    expect_mismatch(comm, count_differs, r"all_reduce: ranks disagree on the count \(rank 0: 11, rank 1: 10")
+    expect_mismatch(comm, op_differs, r"ranks disagree on the op")
+    expect_mismatch(comm, dtype_differs, r"ranks disagree on the dtype \(rank 0: float64, rank 1: float32")
+    expect_mismatch(comm, collective_differs, r"ranks disagree on the collective \(rank 0: broadcast, rank 1: all_reduce")
+    expect_mismatch(comm, root_differs, r"ranks disagree on the root \(rank 0: 0, rank 1: 1")
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_call_sequence_mismatch():
+    """A rank whose call count ran ahead (a call its peers never made) is caught by the call number."""
+    comm = make_comm(check=True)
+    comm.all_reduce(np.ones(4))
+    if comm.rank == 0:
+        comm._seq += 1  # as if rank 0 had made one more checked call than its peers
+    expect_mismatch(comm, lambda: comm.all_reduce(np.ones(4)), r"ranks disagree on the call number \(rank 0: 3, rank 1: 2")
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_missing_peer_times_out_with_names():
+    comm = make_comm(timeout=1.0)
+    late = comm.size - 1
+    if comm.rank != late:
+        x = np.ones(1000, np.float32)
+        t0 = time.monotonic()
+        with pytest.raises(ringcomm.TimeoutError) as info:
+            comm.all_reduce(x)
+        elapsed = time.monotonic() - t0
+        e = info.value
+        assert e.collective == "all_reduce" and e.rank == comm.rank and e.step is not None
+        assert e.peer in (comm.left, comm.right) and e.timeout == 1.0
+        assert f"all_reduce: rank {comm.rank} waited 1 s for rank {e.peer} at step {e.step}" in str(e)
+        assert 0.9 < elapsed < 10
+        with pytest.raises(ringcomm.RingcommError, match="aborted by an earlier error"):
+            comm.all_reduce(x)
+    MPI.COMM_WORLD.Barrier()
+    # The agreement exchange and the barrier time out too (set-up waits: step None).
+    checked, plain = make_comm(timeout=0.5, check=True), make_comm(timeout=0.5)
+    if checked.rank != late:
+        with pytest.raises(ringcomm.TimeoutError, match="during set-up.*argument agreement") as info:
+            checked.broadcast(np.ones(4))
+        assert info.value.step is None
+        with pytest.raises(ringcomm.TimeoutError, match="barrier: rank"):
+            plain.barrier()
+    MPI.COMM_WORLD.Barrier()
