@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import schedule
-from .arrays import classify, flat, overlap, span, writable
+from .arrays import classify, flat, relation, writable
 from .engine import Context, fold
 from .ops import ReduceOp, check_dtype, parse_op
 
@@ -54,9 +54,10 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         work = src
     else:
         work = _output(out, kind, src.dtype, src.size)
-        if overlap(work, src) and not _same(work, src):
+        rel = relation(work, src)
+        if rel == "overlap":
             raise ValueError("out partly overlaps x; pass out=None (in place) or a separate array")
-        if _same(work, src):
+        if rel == "same":
             work = src
     n, r, count = comm.size, comm.rank, src.size
     ctx = Context("all_reduce", comm, device, src.dtype, op)
@@ -103,7 +104,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
                 f"shard: has {src.size} elements, but rank {r}'s shard of out ({count} elements) is "
                 f"[{lo}, {hi}) = {hi - lo} elements (see Communicator.shard_bounds)"
             )
-        if overlap(work, src) and not _same(work[lo:hi], src):
+        if relation(work, src) != "apart" and relation(work[lo:hi], src) != "same":
             raise ValueError(f"shard overlaps out but is not out[{lo}:{hi}] (this rank's place in out)")
     else:
         # Shard sizes are only known to their owners: exchange them (this is the agreement check too).
@@ -113,7 +114,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         bounds = [(int(b - s), int(b)) for b, s in zip(stops, sizes)]
         work = device.xp.empty(int(stops[-1]), src.dtype)
         lo, hi = bounds[r]
-    if not _same(work[lo:hi], src):
+    if relation(work[lo:hi], src) != "same":
         device.copy(work[lo:hi], src)
     comm._run(ctx, kind, work.size, schedule.all_gather(n, r), bounds, work, work, agreed=agreed)
     return out if out is not None else work
@@ -136,13 +137,13 @@ def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)
     n, is_root = comm.size, comm.rank == root
-    if out is not None:
-        o = _output(out, kind, src.dtype, src.size)
-        if overlap(o, src) and not _same(o, src):
-            raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")
+    o = None if out is None else _output(out, kind, src.dtype, src.size)
+    rel = "same" if o is None else relation(o, src)
+    if rel == "overlap":
+        raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")
     if not is_root:
         work = comm._scratch_array(kind, device, src.size, src.dtype)
-    elif out is None or _same(o, src):
+    elif rel == "same":
         writable(src, "x (reduce writes the result into x at the root when out is None)")
         work = src
     else:
@@ -158,7 +159,3 @@ def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None
         return None
     return x if out is None else out
 
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are exactly the same memory (same start, same length)."""
-    return a.nbytes == b.nbytes and span(a) == span(b)
