@@ -33,7 +33,36 @@ def select(comm: Any, kind: str) -> Any:
     Host arrays always travel by MPI. ``RINGCOMM_TRANSPORT`` overrides the automatic choice for GPU
     arrays (ipc, staged, or mpi for CUDA-aware MPI).
     """
-    override()
+    name = override()
     if kind == "host":
         return MpiTransport(comm, comm.slice_bytes)
+    if kind == "cuda":
+        return _select_cuda(comm, name)
     raise ValueError(f"no transport for arrays of kind {kind!r}")
+
+
+def _select_cuda(comm: Any, name: str) -> Any:
+    """GPU arrays: CUDA IPC when every rank is on this node, else CUDA-aware MPI, else staged.
+
+    ``name`` (from RINGCOMM_TRANSPORT) forces one. The IPC transport itself falls back to staged,
+    on every rank alike and with a warning, when its set-up fails.
+    """
+    from .ipc import IpcTransport
+    from .staged import StagedTransport, cuda_aware_mpi
+
+    aware = cuda_aware_mpi()
+    choice = name or ("ipc" if comm.single_node else "mpi" if aware else "staged")
+    if choice == "mpi" and not aware:
+        raise ValueError(
+            "RINGCOMM_TRANSPORT=mpi with GPU arrays needs a CUDA-aware MPI, and this one does not say it is "
+            "(MPIX_Query_cuda_support); set RINGCOMM_CUDA_AWARE_MPI=1 if it is, or use ipc or staged"
+        )
+    log.debug(
+        "cuda transport for rank %d/%d: %s (single node: %s, CUDA-aware MPI: %s, RINGCOMM_TRANSPORT=%r)",
+        comm.rank, comm.size, choice, comm.single_node, aware, name,
+    )
+    if choice == "ipc":
+        return IpcTransport(comm)
+    if choice == "staged":
+        return StagedTransport(comm)
+    return MpiTransport(comm, comm.slice_bytes, name="mpi")

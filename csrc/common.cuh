@@ -1,0 +1,224 @@
+// ringcomm kernels: what every kernel file shares.
+//
+//   - 16-bit float storage types (half_t, bf16_t) with their float conversions,
+//   - dtype traits (the accumulation type: float for the half types),
+//   - the op functors SUM / PROD / MIN / MAX (integers wrap like numpy; MIN/MAX propagate NaN),
+//   - the 16-byte vector type and the launch constants.
+//
+// The same text is compiled by NVRTC at run time (through CuPy's RawModule; the Python loader
+// pastes this header in place of the #include, so no include path is needed) and by nvcc in CI
+// (tests/test_csrc_compile.py). It includes nothing on purpose: cuda_fp16.h / cuda_bf16.h are not
+// reliably on NVRTC's path (CuPy bundles cuda_fp16.h only), so the 16-bit conversions are written
+// here, as PTX `cvt` on the device and the same IEEE rounding in integer arithmetic elsewhere.
+// Every function is __host__ __device__ so tests/csrc_harness.cpp can run the index arithmetic of
+// each kernel on the CPU (thread by thread) against numpy.
+#ifndef RINGCOMM_COMMON_CUH
+#define RINGCOMM_COMMON_CUH
+
+// Threads per block; the Python launcher uses the same number (ringcomm/devices/cuda.py: BLOCK).
+#define RC_BLOCK 512
+// 16-byte vectors each thread keeps in flight per operand in the main loops.
+#define RC_UNROLL 4
+// Blocks per multiprocessor the compiler must leave room for (caps registers at 64 per thread).
+#define RC_MIN_BLOCKS 2
+
+#define RC_HD __host__ __device__ __forceinline__
+
+// The host emulation (tests/csrc_harness.cpp) checks that every vector access is aligned, which
+// the CPU would otherwise forgive; on the GPU this is nothing.
+#ifdef RC_HOST_EMULATION
+void rc_check_aligned(const void* p, unsigned long long bytes);
+#define RC_ASSERT_ALIGNED(p, bytes) rc_check_aligned((p), (bytes))
+#else
+#define RC_ASSERT_ALIGNED(p, bytes) ((void)0)
+#endif
+
+namespace rc {
+
+typedef unsigned long long u64;
+
+template <typename A, typename B> struct is_same { static constexpr bool value = false; };
+template <typename A> struct is_same<A, A> { static constexpr bool value = true; };
+
+// ------------------------------------------------------------------------------------- bit casts
+RC_HD unsigned f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  union { float f; unsigned u; } x;
+  x.f = f;
+  return x.u;
+#endif
+}
+
+RC_HD float f32_from_bits(unsigned u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  union { unsigned u; float f; } x;
+  x.u = u;
+  return x.f;
+#endif
+}
+
+// ------------------------------------------------------------------------- 16-bit float types
+// Storage only: arithmetic happens in float (Traits<...>::acc).
+struct half_t { unsigned short bits; };
+struct bf16_t { unsigned short bits; };
+
+RC_HD float half_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  const unsigned sign = (unsigned)(h & 0x8000u) << 16;
+  unsigned exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (man << 13));    // inf, NaN
+  if (exp != 0) return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));  // normal
+  if (man == 0) return f32_from_bits(sign);                                      // +-0
+  unsigned e = 113u;                                                             // subnormal
+  while (!(man & 0x400u)) { man <<= 1; --e; }
+  return f32_from_bits(sign | (e << 23) | ((man & 0x3ffu) << 13));
+#endif
+}
+
+// Round to nearest, ties to even (IEEE; numpy's float32 -> float16 cast).
+RC_HD unsigned short float_to_half(float f) {
+#ifdef __CUDA_ARCH__
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  const unsigned u = f32_bits(f);
+  const unsigned sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);   // NaN -> quiet NaN
+  if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 (and inf) -> inf
+  if (a >= 0x38800000u) {                                          // normal half: >= 2^-14
+    const unsigned r = a + 0x0fffu + ((a >> 13) & 1u);
+    return (unsigned short)(sign | ((r >> 13) - (112u << 10)));
+  }
+  if (a <= 0x33000000u) return (unsigned short)sign;  // <= 2^-25 (a tie at 2^-25 goes to even 0)
+  const unsigned e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;  // 14..24
+  unsigned q = m >> shift;
+  const unsigned rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+  if (rem > halfway || (rem == halfway && (q & 1u))) ++q;  // q == 0x400 is the smallest normal
+  return (unsigned short)(sign | q);
+#endif
+}
+
+RC_HD float bf16_to_float(unsigned short b) { return f32_from_bits((unsigned)b << 16); }
+
+// Round to nearest, ties to even (ml_dtypes' float32 -> bfloat16 cast); NaN stays a quiet NaN.
+RC_HD unsigned short float_to_bf16(float f) {
+  unsigned u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+// double -> float rounded to odd: a second rounding of the result to a type of <= 22 significant
+// bits (half, bfloat16) is then exactly the correctly rounded double -> half / bfloat16 cast.
+RC_HD float f64_to_f32_odd(double d) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.rz.f32.f64 %0, %1;" : "=f"(f) : "d"(d));
+#else
+  float f = (float)d;  // nearest; step one ulp towards zero where that rounded away
+  const double af = f < 0 ? -(double)f : (double)f, ad = d < 0 ? -d : d;
+  if (af > ad) f = f32_from_bits(f32_bits(f) - 1u);
+#endif
+  if (d == d && (double)f != d) f = f32_from_bits(f32_bits(f) | 1u);
+  return f;
+}
+
+RC_HD float rc_sqrt(float x) { return sqrtf(x); }
+RC_HD double rc_sqrt(double x) { return sqrt(x); }
+
+// -------------------------------------------------------------------------------- dtype traits
+// acc: the type an element is combined in; load/store convert between storage and acc.
+template <typename T> struct Traits {  // the integer types: combined in their own type
+  typedef T acc;
+  static constexpr bool is_float = false;
+  RC_HD static acc load(T x) { return x; }
+  RC_HD static T store(acc x) { return x; }
+};
+template <> struct Traits<half_t> {
+  typedef float acc;
+  static constexpr bool is_float = true;
+  RC_HD static float load(half_t x) { return half_to_float(x.bits); }
+  RC_HD static half_t store(float x) { half_t h; h.bits = float_to_half(x); return h; }
+};
+template <> struct Traits<bf16_t> {
+  typedef float acc;
+  static constexpr bool is_float = true;
+  RC_HD static float load(bf16_t x) { return bf16_to_float(x.bits); }
+  RC_HD static bf16_t store(float x) { bf16_t h; h.bits = float_to_bf16(x); return h; }
+};
+template <> struct Traits<float> {
+  typedef float acc;
+  static constexpr bool is_float = true;
+  RC_HD static float load(float x) { return x; }
+  RC_HD static float store(float x) { return x; }
+};
+template <> struct Traits<double> {
+  typedef double acc;
+  static constexpr bool is_float = true;
+  RC_HD static double load(double x) { return x; }
+  RC_HD static double store(double x) { return x; }
+};
+
+// Integers add and multiply in the unsigned type of their width (or wider): wrap-around like
+// numpy, and no signed-overflow undefined behaviour.
+template <typename A> struct Wide { typedef A type; };
+template <> struct Wide<signed char> { typedef unsigned int type; };
+template <> struct Wide<unsigned char> { typedef unsigned int type; };
+template <> struct Wide<short> { typedef unsigned int type; };
+template <> struct Wide<unsigned short> { typedef unsigned int type; };
+template <> struct Wide<int> { typedef unsigned int type; };
+template <> struct Wide<long long> { typedef unsigned long long type; };
+
+// ------------------------------------------------------------------------------------ op functors
+struct OpSum {
+  template <typename A> RC_HD static A apply(A x, A y) {
+    typedef typename Wide<A>::type W;
+    return (A)((W)x + (W)y);
+  }
+};
+struct OpProd {
+  template <typename A> RC_HD static A apply(A x, A y) {
+    typedef typename Wide<A>::type W;
+    return (A)((W)x * (W)y);
+  }
+};
+// numpy.minimum / numpy.maximum: a NaN in either operand gives NaN (x != x is false for integers).
+struct OpMin {
+  template <typename A> RC_HD static A apply(A x, A y) { return (x <= y || x != x) ? x : y; }
+};
+struct OpMax {
+  template <typename A> RC_HD static A apply(A x, A y) { return (x >= y || x != x) ? x : y; }
+};
+
+// op(x, y) in the accumulation type, divided by div when use_div (float types only: AVG's final
+// step), rounded once to T.
+template <typename T, typename Op>
+RC_HD T combine(T x, T y, bool use_div, typename Traits<T>::acc div) {
+  typedef Traits<T> Tr;
+  typename Tr::acc r = Op::template apply<typename Tr::acc>(Tr::load(x), Tr::load(y));
+  if constexpr (Tr::is_float) {
+    if (use_div) r = r / div;
+  }
+  return Tr::store(r);
+}
+
+// ------------------------------------------------------------------------------- 16-byte vectors
+template <typename T> union Vec16 {
+  uint4 u;
+  T v[16 / sizeof(T)];
+};
+
+RC_HD u64 addr(const void* p) { return (u64)p; }
+
+}  // namespace rc
+
+#endif  // RINGCOMM_COMMON_CUH

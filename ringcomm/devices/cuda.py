@@ -1,0 +1,321 @@
+"""The CUDA device: ringcomm's own kernels from csrc/, compiled at run time by NVRTC through CuPy.
+
+Every operation is queued on the device's stream and returns at once (the stream orders it after
+the work already queued there). Kernels are compiled once per process and device (CuPy's disk
+cache, ``~/.cupy/kernel_cache``, keeps the binaries across processes); no nvcc is needed.
+
+Also here: :func:`fused_adam`, one pass of AdamW over a shard (csrc/optimizer.cu).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, bfloat16
+
+try:  # CuPy is optional: this module imports without it (the cuda extra installs it)
+    import cupy
+except ImportError:  # pragma: no cover - depends on the machine
+    cupy = None
+
+#: Threads per block of every kernel (csrc/common.cuh: RC_BLOCK).
+BLOCK = 512
+#: 16-byte vectors a thread handles per grid-stride iteration (csrc/common.cuh: RC_UNROLL).
+UNROLL = 4
+#: Blocks per multiprocessor when the occupancy query is unavailable (csrc/common.cuh: RC_MIN_BLOCKS).
+DEFAULT_BLOCKS_PER_SM = 2
+#: NVRTC options (the arch is added by CuPy for the current device).
+NVRTC_OPTIONS = ("-std=c++17",)
+
+#: numpy dtype -> the suffix of its kernels in csrc/
+SUFFIX: dict[np.dtype, str] = {
+    np.dtype(np.float16): "f16", bfloat16: "bf16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
+    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.int16): "i16", np.dtype(np.uint16): "u16",
+    np.dtype(np.int32): "i32", np.dtype(np.uint32): "u32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",
+}
+assert set(SUFFIX) == set(SUPPORTED_DTYPES)
+
+_OP_NAME = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", ReduceOp.MIN: "min",
+            ReduceOp.MAX: "max"}
+ADAM_MASTER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+ADAM_GRAD_DTYPES = FLOAT_DTYPES
+ADAM_OUT_DTYPES = FLOAT_DTYPES
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"common\.cuh"[ \t]*$', re.M)
+
+
+def reduce_kernel_names() -> list[str]:
+    """Every reduce kernel the device may launch."""
+    return [f"ringcomm_reduce_{op}_{s}" for s in SUFFIX.values() for op in ("sum", "prod", "min", "max")]
+
+
+def adam_kernel_names() -> list[str]:
+    """Every fused-Adam kernel :func:`fused_adam` may launch."""
+    outs = ["none"] + [SUFFIX[d] for d in ADAM_OUT_DTYPES]
+    return [f"ringcomm_adam_{SUFFIX[p]}_{SUFFIX[g]}_{o}" for p in ADAM_MASTER_DTYPES for g in ADAM_GRAD_DTYPES
+            for o in outs]
+
+
+# ---------------------------------------------------------------------------------------- sources
+def _csrc_text(name: str) -> str:
+    """The text of csrc/<name>: from the installed package (ringcomm.csrc), else the source tree."""
+    for package, sub in (("ringcomm.csrc", ()), ("ringcomm", ("csrc",))):
+        try:
+            res = importlib.resources.files(package)
+            for part in sub:
+                res = res / part
+            res = res / name
+            if res.is_file():
+                return res.read_text(encoding="utf-8")
+        except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, TypeError):
+            pass
+    import ringcomm
+
+    path = Path(ringcomm.__file__).resolve().parent.parent / "csrc" / name
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise FileNotFoundError(f"ringcomm kernel source {name!r} not found in the package (ringcomm.csrc) nor at {path}")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(name: str) -> str:
+    """csrc/<name> with csrc/common.cuh pasted in place of its #include (what NVRTC compiles).
+
+    Pasting (rather than an include path) keeps CuPy's cache key, which hashes the source text,
+    correct when the header changes.
+    """
+    text = _csrc_text(name)
+    header = _csrc_text("common.cuh")
+    code, count = _INCLUDE.subn(lambda _m: header, text)
+    if count != 1:
+        raise RuntimeError(f"csrc/{name} must include common.cuh exactly once (found {count})")
+    return code
+
+
+_lock = threading.Lock()
+_modules: dict[str, Any] = {}
+_kernels: dict[str, Any] = {}
+_blocks_per_sm: dict[tuple[str, int], int] = {}
+_sm_count: dict[int, int] = {}
+
+
+def _require_cupy() -> Any:
+    if cupy is None:
+        raise ImportError("GPU arrays need CuPy: pip install 'ringcomm[cuda]' (cupy-cuda13x; cupy-cuda12x for CUDA 12)")
+    return cupy
+
+
+def kernel(file: str, name: str) -> Any:
+    """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC)."""
+    k = _kernels.get(name)
+    if k is None:
+        cp = _require_cupy()
+        with _lock:
+            mod = _modules.get(file)
+            if mod is None:
+                mod = _modules[file] = cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
+            k = _kernels[name] = mod.get_function(name)
+    return k
+
+
+def warm_up() -> None:
+    """Compile every kernel file for the current device now (NVRTC; CuPy's disk cache keeps the result)."""
+    kernel("reduce.cu", "ringcomm_reduce_sum_f32")
+    kernel("copy.cu", "ringcomm_copy")
+    kernel("optimizer.cu", "ringcomm_adam_f32_f32_none")
+
+
+def sm_count(device_id: int) -> int:
+    """Multiprocessors of the device (cached)."""
+    n = _sm_count.get(device_id)
+    if n is None:
+        rt = cupy.cuda.runtime
+        attr = getattr(rt, "cudaDevAttrMultiProcessorCount", 16)
+        n = _sm_count[device_id] = int(rt.deviceGetAttribute(attr, device_id))
+    return n
+
+
+def max_blocks(k: Any, name: str, device_id: int) -> int:
+    """A full wave of ``k`` on the device: SMs x resident blocks per SM (occupancy query, cached)."""
+    key = (name, device_id)
+    per_sm = _blocks_per_sm.get(key)
+    if per_sm is None:
+        try:
+            per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, BLOCK, 0))
+        except Exception:  # noqa: BLE001 - the query is an optimisation only
+            per_sm = DEFAULT_BLOCKS_PER_SM
+        per_sm = _blocks_per_sm[key] = max(1, per_sm)
+    return per_sm * sm_count(device_id)
+
+
+def _grid(k: Any, name: str, device_id: int, items: int) -> int:
+    """Blocks for ``items`` units of work per thread-iteration, at most one full wave."""
+    return max(1, min(-(-items // BLOCK), max_blocks(k, name, device_id)))
+
+
+def pointer(a: Any) -> int:
+    """The device address of the first element of ``a`` (CuPy array or __cuda_array_interface__)."""
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is not None:
+        return int(ptr)
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def _u64(x: int) -> np.uint64:
+    return np.uint64(x)
+
+
+# ----------------------------------------------------------------------------------------- device
+class CudaDevice:
+    """Reduce and copy GPU arrays with ringcomm's kernels, queued on ``stream``.
+
+    ``stream``: a ``cupy.cuda.Stream`` (or anything with ``.ptr`` and ``.synchronize()``, such as
+    ``cupy.cuda.ExternalStream``); default: CuPy's current stream. Nothing here blocks the host
+    except :meth:`synchronize`.
+    """
+
+    name = "cuda"
+
+    def __init__(self, stream: Any = None) -> None:
+        cp = _require_cupy()
+        self.xp = cp
+        self.stream = stream if stream is not None else cp.cuda.get_current_stream()
+        self.device_id = int(cp.cuda.runtime.getDevice())
+        kernel("reduce.cu", "ringcomm_reduce_sum_f32")  # compile outside any hot loop (once per process)
+        kernel("copy.cu", "ringcomm_copy")
+
+    def reduce(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1) -> None:
+        """``dst[:] = op(a, b)``, then divided by ``div`` when div != 1; queued on the stream.
+
+        1-D contiguous arrays of one dtype and length; ``dst`` may be the same memory as ``a``;
+        ``b`` may be a view of a neighbour's memory (CUDA IPC). Half types are combined in float32
+        and rounded once, the division included. ``div`` applies to float dtypes only.
+        """
+        n = dst.size
+        if a.size != n or b.size != n:
+            raise ValueError(f"reduce: lengths differ (dst {n}, a {a.size}, b {b.size})")
+        dtype = dst.dtype
+        if a.dtype != dtype or b.dtype != dtype:
+            raise TypeError(f"reduce: dtypes differ (dst {dtype}, a {a.dtype}, b {b.dtype})")
+        if n == 0:
+            return
+        suffix = SUFFIX.get(dtype)
+        if suffix is None:
+            raise TypeError(f"reduce: unsupported dtype {dtype}; accepted: {', '.join(map(str, SUFFIX))}")
+        use_div = div != 1
+        if use_div and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"reduce: div={div} needs a float dtype, got {dtype} (AVG on integers is refused)")
+        name = f"ringcomm_reduce_{_OP_NAME[op]}_{suffix}"
+        k = kernel("reduce.cu", name)
+        grid = _grid(k, name, self.device_id, -(-n * dtype.itemsize // (16 * UNROLL)))
+        k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(use_div),
+                              np.float64(div)), stream=self.stream)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """``dst[:] = src`` (same number of bytes), queued on the stream; ``src`` may be a peer's memory."""
+        nbytes = dst.nbytes
+        if src.nbytes != nbytes:
+            raise ValueError(f"copy: sizes differ (dst {nbytes} bytes, src {src.nbytes} bytes)")
+        if nbytes == 0:
+            return
+        k = kernel("copy.cu", "ringcomm_copy")
+        grid = _grid(k, "ringcomm_copy", self.device_id, -(-nbytes // (16 * UNROLL)))
+        k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(src)), _u64(nbytes)), stream=self.stream)
+
+    def empty(self, count: int, dtype: Any) -> Any:
+        """A new device array (CuPy's pool) for scratch; called outside the hot loop."""
+        with self.xp.cuda.Device(self.device_id):
+            return self.xp.empty(int(count), dtype)
+
+    def synchronize(self) -> None:
+        """Block until everything queued on the stream is done."""
+        self.stream.synchronize()
+
+
+# ------------------------------------------------------------------------------------- fused Adam
+def fused_adam(
+    master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, step: int, grad_scale: float = 1.0, out: Any = None, stream: Any = None,
+) -> Any:
+    """One AdamW step over a shard, in one kernel, queued on ``stream`` (default: the current one).
+
+    PyTorch's AdamW order, ``step`` counted from 1::
+
+        g = grad * grad_scale
+        exp_avg    = beta1 * exp_avg    + (1 - beta1) * g
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+        master     = master * (1 - lr * weight_decay)
+        master     = master - lr * (exp_avg / (1 - beta1**step)) / (sqrt(exp_avg_sq / (1 - beta2**step)) + eps)
+
+    ``master``, ``exp_avg``, ``exp_avg_sq``: float32 or float64 (one dtype), updated in place.
+    ``grad``: float16, bfloat16, float32 or float64. ``out`` (optional; float16, bfloat16, float32 or
+    float64): receives the updated master cast to its dtype (round to nearest even), e.g. the
+    working copy of the parameters. All arrays: GPU, C-contiguous, the same number of elements, not
+    overlapping. Arithmetic is in the master dtype. Returns ``out`` if given, else ``master``.
+    """
+    from ..arrays import classify
+
+    cp = _require_cupy()
+    named = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out is not None:
+        named["out"] = out
+    views = {}
+    for name, x in named.items():
+        kind, a = classify(x, name)
+        if kind != "cuda":
+            raise TypeError(f"fused_adam: {name} is a host array; every array must be on the GPU")
+        if not a.flags.c_contiguous:
+            raise TypeError(f"fused_adam: {name} is not C-contiguous (shape {a.shape}, strides {a.strides})")
+        views[name] = a
+    p, g = views["master"], views["grad"]
+    if p.dtype not in ADAM_MASTER_DTYPES:
+        raise TypeError(f"fused_adam: master has dtype {p.dtype}; accepted: float32, float64")
+    for name in ("exp_avg", "exp_avg_sq"):
+        if views[name].dtype != p.dtype:
+            raise TypeError(f"fused_adam: {name} has dtype {views[name].dtype}; it must match master's {p.dtype}")
+    if g.dtype not in ADAM_GRAD_DTYPES:
+        raise TypeError(f"fused_adam: grad has dtype {g.dtype}; accepted: float16, bfloat16, float32, float64")
+    o = views.get("out")
+    if o is not None and o.dtype not in ADAM_OUT_DTYPES:
+        raise TypeError(f"fused_adam: out has dtype {o.dtype}; accepted: float16, bfloat16, float32, float64")
+    n = p.size
+    for name, a in views.items():
+        if a.size != n:
+            raise ValueError(f"fused_adam: {name} has {a.size} elements, master has {n}")
+    spans = sorted((pointer(a), pointer(a) + a.nbytes, name) for name, a in views.items() if a.nbytes)
+    for (_, end, x), (start, _, y) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"fused_adam: {x} and {y} overlap in memory; pass separate arrays")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"fused_adam: step must be an integer >= 1 (1 on the first update); got {step!r}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"fused_adam: {name} must be in [0, 1); got {value!r}")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"fused_adam: eps must be >= 0; got {eps!r}")
+    result = out if out is not None else master
+    if n == 0:
+        return result
+    lr, beta1, beta2 = float(lr), float(beta1), float(beta2)
+    bc1, bc2 = 1.0 - beta1 ** int(step), 1.0 - beta2 ** int(step)
+    decay = 1.0 - lr * float(weight_decay)
+    oname = "none" if o is None else SUFFIX[o.dtype]
+    name = f"ringcomm_adam_{SUFFIX[p.dtype]}_{SUFFIX[g.dtype]}_{oname}"
+    k = kernel("optimizer.cu", name)
+    s = stream if stream is not None else cp.cuda.get_current_stream()
+    dev = int(cp.cuda.runtime.getDevice())
+    args = (
+        _u64(pointer(p)), _u64(pointer(g)), _u64(pointer(views["exp_avg"])), _u64(pointer(views["exp_avg_sq"])),
+        _u64(0 if o is None else pointer(o)), _u64(n),
+        *(np.float64(x) for x in (lr, beta1, beta2, float(eps), decay, bc1, bc2, float(grad_scale))),
+    )
+    k((_grid(k, name, dev, n),), (BLOCK,), args, stream=s)
+    return result

@@ -1,0 +1,366 @@
+"""CUDA IPC transport: ranks on one node read the left neighbour's chunk straight from its memory.
+
+Each rank exports the allocations that hold its ``src`` and ``work`` arrays (``cudaIpcGetMemHandle``
+on the allocation's base; the array's offset inside it travels beside the handle, since CuPy's pool
+sub-allocates large blocks) and sends the handles to its right neighbour at the start of every
+collective. A handle is opened once and the mapping cached, keyed by the handle's bytes. A step is
+then one kernel: the reduce (or copy) kernel reads the incoming chunk from the mapped memory.
+Memory that cannot be exported (stream-ordered or virtual-memory allocations) is sent through a
+registered scratch buffer of this rank, allocated once with cudaMalloc: one local copy per chunk sent.
+
+The step handshake (DESIGN.md), with small MPI messages between neighbours and host-side event
+waits; no kernel ever waits on a flag, so ranks that share one GPU cannot deadlock:
+
+- read-after-write, from the left: before announcing the chunk it sends at step k ("ready": which
+  buffer, offset, length), a rank waits for an event recorded after everything its stream queued
+  so far, the kernels that produced the chunk included. The right reads only after "ready".
+- write-after-read, from the right: a rank that reads its left's chunk waits for an event after its
+  reading kernel and then sends "read done". Before a rank writes at step k (its reduce or copy
+  kernel, or a copy into its scratch buffer) it has "read done" for every chunk it announced at
+  the steps before k; and ``end()`` waits for all of them, so when a collective returns the
+  neighbours no longer read this rank's memory.
+
+Set-up failures (an export, an exchange or an open fails on any rank) are agreed on by all ranks
+at the start of each collective (one small all-reduce); then every rank switches to the staged
+transport, with a warning, for this collective and the ones after it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .base import cancel, wait
+from .staged import StagedTransport, wait_event
+
+log = logging.getLogger("ringcomm")
+
+TAG_HANDLES, TAG_READY, TAG_DONE = 41, 42, 43
+SRC, WORK, SCRATCH = 0, 1, 2
+#: descriptor words per buffer slot: state, offset in allocation, nbytes, allocation size, 8 words of handle
+_DESC = 12
+_UNUSED, _VALID, _FAILED = 0, 1, -1
+#: smallest registered scratch buffer (it grows by doubling, and old ones stay allocated)
+SCRATCH_MIN_BYTES = 1 << 20
+#: opened neighbour allocations kept mapped (least recently used ones are closed beyond this)
+MAX_MAPPINGS = 64
+
+# CUpointer_attribute values (cuda.h)
+_ATTR_BUFFER_ID, _ATTR_IS_LEGACY_IPC_CAPABLE = 7, 10
+
+
+class _Driver:
+    """The two CUDA driver queries CuPy does not wrap, through ctypes on libcuda."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.range = self.lib.cuMemGetAddressRange_v2
+        self.range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        self.range.restype = ctypes.c_int
+        self.attr = self.lib.cuPointerGetAttribute
+        self.attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self.attr.restype = ctypes.c_int
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        """(base address, size) of the allocation that contains device address ``ptr``."""
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        rc = self.range(ctypes.byref(base), ctypes.byref(size), ptr)
+        if rc != 0:
+            raise RuntimeError(f"cuMemGetAddressRange failed (CUresult {rc}) for address {ptr:#x}")
+        return base.value, size.value
+
+    def attribute(self, ptr: int, attr: int) -> int | None:
+        value = ctypes.c_uint64(0)  # wide enough for every attribute asked here (int, bool, u64)
+        rc = self.attr(ctypes.byref(value), attr, ptr)
+        return value.value if rc == 0 else None
+
+
+_driver: _Driver | None = None
+
+#: neighbour allocations opened by this process, keyed by handle bytes, shared by every transport
+#: (CUDA lets a process open a handle once); least recently used beyond MAX_MAPPINGS are closed
+_mapped: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+_mapped_lock = threading.Lock()
+
+
+def _get_driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class IpcTransport:
+    """Ring neighbours on one node exchange chunks through CUDA IPC mappings (see module doc)."""
+
+    name = "ipc"
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.fallback: StagedTransport | None = None  # set, on every rank, once IPC set-up failed
+        self._exported: dict[int, bytes] = {}  # allocation buffer id -> its handle
+        self._scratch = None  # registered send scratch (cudaMalloc), grown when needed
+        self._scratch_old: list = []  # earlier scratch buffers: a neighbour may still map them
+        cap = max(16, 12 * comm.size)
+        self._ready_out = np.zeros((cap, 4), np.int64)  # step, slot, byte offset, nbytes
+        self._ready_in = np.zeros((cap, 4), np.int64)
+        self._done_out = np.zeros((cap, 1), np.int64)
+        self._done_in = np.zeros((cap, 1), np.int64)
+        self._desc_out = np.zeros((3, _DESC), np.int64)
+        self._desc_in = np.zeros((3, _DESC), np.int64)
+        self._flag_out = np.zeros(1, np.int32)
+        self._flag_in = np.zeros(1, np.int32)
+        self._events: list = []
+        self._active = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self._seq = 0
+        self._incoming = None  # (request, row, count) of this step's "ready" from the left
+        self._reading = False  # this step read from the left: send "read done" at step_done
+        self._done_pending: list = []  # (step index, request) "read done" expected from the right
+        self._sends: list = []  # Isend requests of "ready" and "read done" messages
+        self._nevents = 0
+
+    # ------------------------------------------------------------------ set-up
+    def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
+        if self.fallback is not None:
+            return self.fallback.begin(ctx, work, src, bounds)
+        self.ctx, self.device = ctx, ctx.device
+        self._clear()
+        self._active = self.comm.size > 1
+        if not self._active:
+            return None
+        import cupy
+
+        self._cupy = cupy
+        self.stream = self.device.stream
+        self._dtype = np.dtype(ctx.dtype)
+        self._work, self._src = work, src
+        mpi, left, right = self.comm.mpi, self.comm.left, self.comm.right
+        problem = ""
+        try:
+            self._describe(work, src)
+        except Exception as e:  # noqa: BLE001 - any failure means: fall back, on every rank
+            problem = f"exporting this rank's buffers failed: {e}"
+            self._desc_out[:, 0] = _FAILED
+        wait([mpi.Irecv(self._desc_in, left, TAG_HANDLES), mpi.Isend(self._desc_out, right, TAG_HANDLES)], ctx, None,
+             left, "exchanging CUDA IPC handles")
+        if not problem:
+            try:
+                self._peer = [self._open(self._desc_in[slot]) for slot in (SRC, WORK, SCRATCH)]
+            except Exception as e:  # noqa: BLE001
+                problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
+        self._flag_out[0] = 0 if problem else 1
+        from mpi4py import MPI
+
+        wait([mpi.Iallreduce(self._flag_out, self._flag_in, op=MPI.MIN)], ctx, None, left, "agreeing on CUDA IPC")
+        if self._flag_in[0] != 1:
+            self._fall_back(problem or "another rank could not set up CUDA IPC")
+            return self.fallback.begin(ctx, work, src, bounds)
+        return None
+
+    def _fall_back(self, why: str) -> None:
+        msg = f"ringcomm: CUDA IPC unavailable on rank {self.comm.rank} ({why}); using the staged transport"
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
+        self.fallback = StagedTransport(self.comm)
+        self.name = "staged"
+        self._active = False
+
+    def _describe(self, work: Any, src: Any) -> None:
+        """Fill the outgoing descriptor: how the right neighbour can map src, work and the scratch."""
+        from ..devices.cuda import pointer
+
+        self._desc_out[:] = 0
+        self._slot_of: dict[int, int] = {}
+        need_scratch = 0
+        for slot, a in ((SRC, src), (WORK, work)):
+            if a.nbytes == 0:
+                continue
+            ptr = pointer(a)
+            drv = _get_driver()
+            if not drv.attribute(ptr, _ATTR_IS_LEGACY_IPC_CAPABLE):
+                need_scratch = max(need_scratch, a.nbytes)
+                self._slot_of[slot] = SCRATCH
+                continue
+            base, size = drv.allocation(ptr)
+            key = drv.attribute(base, _ATTR_BUFFER_ID)  # unique per allocation over the process lifetime
+            handle = self._exported.get(key) if key is not None else None
+            if handle is None:
+                handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(base))
+                if key is not None:
+                    self._exported[key] = handle
+            self._fill(slot, handle, ptr - base, a.nbytes, size)
+            self._slot_of[slot] = slot
+        if need_scratch:
+            if self._scratch is None or self._scratch.nbytes < need_scratch:
+                if self._scratch is not None:
+                    self._scratch_old.append(self._scratch)
+                old = self._scratch.nbytes if self._scratch is not None else 0
+                mem = self._cupy.cuda.Memory(max(need_scratch, 2 * old, SCRATCH_MIN_BYTES))
+                self._scratch = self._cupy.ndarray((mem.size,), np.uint8, self._cupy.cuda.MemoryPointer(mem, 0))
+                self._scratch_handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
+                log.debug("ipc: rank %d exports a %d-byte scratch buffer", self.comm.rank, mem.size)
+            self._fill(SCRATCH, self._scratch_handle, 0, self._scratch.nbytes, self._scratch.nbytes)
+
+    def _fill(self, slot: int, handle: bytes, offset: int, nbytes: int, alloc: int) -> None:
+        row = self._desc_out[slot]
+        row[0], row[1], row[2], row[3] = _VALID, offset, nbytes, alloc
+        row[4:] = np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+
+    def _open(self, row: np.ndarray) -> Any:
+        """A uint8 view of the neighbour's array described by ``row`` (None for an unused slot)."""
+        state, offset, nbytes, alloc = (int(v) for v in row[:4])
+        if state == _UNUSED:
+            return None
+        if state != _VALID:
+            raise RuntimeError("the neighbour could not export its buffer")
+        handle = row[4:].tobytes()
+        with _mapped_lock:
+            whole = _mapped.get(handle)
+            if whole is None:
+                cp = self._cupy
+                ptr = cp.cuda.runtime.ipcOpenMemHandle(handle)
+                mem = cp.cuda.UnownedMemory(ptr, alloc, None, cp.cuda.runtime.getDevice())
+                whole = cp.ndarray((alloc,), np.uint8, cp.cuda.MemoryPointer(mem, 0))
+                _mapped[handle] = whole
+                log.debug("ipc: rank %d mapped %d bytes of rank %d", self.comm.rank, alloc, self.comm.left)
+                self._evict()
+            else:
+                _mapped.move_to_end(handle)
+        if offset < 0 or offset + nbytes > alloc:
+            raise RuntimeError(f"descriptor out of range: offset {offset} + {nbytes} bytes > allocation {alloc}")
+        return whole[offset: offset + nbytes]
+
+    def _evict(self) -> None:
+        # From begin() only (between this transport's collectives), with _mapped_lock held; the
+        # mappings of the current collective are the most recently used ones.
+        while len(_mapped) > MAX_MAPPINGS:
+            _, whole = _mapped.popitem(last=False)
+            try:
+                self._cupy.cuda.runtime.ipcCloseMemHandle(whole.data.ptr)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+
+    def _event(self) -> Any:
+        if self._nevents == len(self._events):
+            self._events.append(self._cupy.cuda.Event(block=False, disable_timing=True))
+        ev = self._events[self._nevents]
+        self._nevents += 1
+        return ev
+
+    def _row(self, table: np.ndarray) -> np.ndarray:
+        if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
+            raise RuntimeError(f"ipc transport: step {self._seq} exceeds its {table.shape[0]} message slots")
+        return table[self._seq]
+
+    # ------------------------------------------------------------------ steps
+    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
+        if self.fallback is not None:
+            return self.fallback.post(step, send, recv_count, recv_into)
+        if not self._active:
+            return None
+        mpi, ctx, left, right = self.comm.mpi, self.ctx, self.comm.left, self.comm.right
+        self._incoming = None
+        if recv_count:
+            row = self._row(self._ready_in)
+            self._incoming = (mpi.Irecv(row, left, TAG_READY), row, recv_count)
+        if send is not None and send.size:
+            slot, offset = self._locate(send)
+            if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
+                self._wait_done_before(step)
+                self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
+            ev = self._event()
+            ev.record(self.stream)  # after the kernels that produced this chunk (and the scratch copy)
+            wait_event(ev, ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
+            out = self._row(self._ready_out)
+            out[:] = (step.index, slot, offset, send.nbytes)
+            self._sends.append(mpi.Isend(out, right, TAG_READY))
+            self._done_pending.append((step.index, mpi.Irecv(self._row(self._done_in), right, TAG_DONE)))
+        if recv_count:  # this step's kernel writes this rank's work: earlier readers must be done
+            self._wait_done_before(step)
+        self._seq += 1
+        return None
+
+    def _locate(self, send: Any) -> tuple[int, int]:
+        """(slot, byte offset within the slot's array) of the chunk ``send`` (a view of work or src)."""
+        from ..devices.cuda import pointer
+
+        p = pointer(send)
+        for slot, a in ((WORK, self._work), (SRC, self._src)):
+            start = pointer(a)
+            if a.nbytes and start <= p and p + send.nbytes <= start + a.nbytes:
+                return self._slot_of[slot], p - start
+        raise RuntimeError("ipc transport: the chunk to send is neither in work nor in src")
+
+    def _wait_done_before(self, step: Any) -> None:
+        earlier = [req for index, req in self._done_pending if index < step.index]
+        if earlier:
+            wait(earlier, self.ctx, step.index, self.comm.right,
+                 "the right neighbour to finish reading this rank's earlier chunks (CUDA IPC)")
+            self._done_pending = [(i, r) for i, r in self._done_pending if i >= step.index]
+
+    def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
+        if self.fallback is not None:
+            yield from self.fallback.recv(step)
+            return
+        if not self._active or self._incoming is None:
+            return
+        req, row, count = self._incoming
+        wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)
+        index, slot, offset, nbytes = (int(v) for v in row)
+        view = self._peer[slot] if 0 <= slot <= SCRATCH else None
+        if index != step.index or nbytes != count * self._dtype.itemsize or view is None:
+            raise RuntimeError(
+                f"ipc transport: rank {self.comm.left} announced step {index}, slot {slot}, {nbytes} bytes; "
+                f"expected step {step.index}, {count * self._dtype.itemsize} bytes (protocol error)"
+            )
+        self._reading = True
+        yield 0, count, view[offset: offset + nbytes].view(self._dtype)
+
+    def step_done(self, step: Any) -> None:
+        if self.fallback is not None:
+            return self.fallback.step_done(step)
+        if not self._active:
+            return None
+        if self._reading:  # the kernel reading the left's memory must be complete before "read done"
+            ev = self._event()
+            ev.record(self.stream)
+            wait_event(ev, self.ctx, step.index, self.comm.left, "this rank's kernel reading chunk %s", step.recv)
+            out = self._done_out[self._seq - 1]
+            out[0] = step.index
+            self._sends.append(self.comm.mpi.Isend(out, self.comm.left, TAG_DONE))
+            self._reading = False
+        self._nevents = 0  # every event used so far has completed
+        return None
+
+    def end(self) -> None:
+        if self.fallback is not None:
+            return self.fallback.end()
+        if self._active:
+            pending = [req for _, req in self._done_pending]
+            wait(pending, self.ctx, None, self.comm.right,
+                 "the right neighbour to finish reading this rank's chunks (CUDA IPC)")
+            wait(self._sends, self.ctx, None, self.comm.right, "delivering CUDA IPC step messages")
+        self._clear()
+        self._work = self._src = None
+        return None
+
+    def abort(self) -> None:
+        if self.fallback is not None:
+            return self.fallback.abort()
+        reqs = list(self._sends) + [req for _, req in self._done_pending]
+        if self._incoming is not None:
+            reqs.append(self._incoming[0])
+        cancel(reqs)
+        self._clear()
+        self._work = self._src = None
+        return None

@@ -1,0 +1,633 @@
+"""A CPU stand-in for the part of CuPy that ringcomm uses: for tests only, never installed.
+
+tests/test_cuda_emulated.py puts this folder first on PYTHONPATH and runs the GPU tests
+(tests/gpu) on a machine without a GPU, so the CUDA device, the IPC and staged transports and the
+GPU tests themselves run end to end before they meet a real GPU. What is emulated:
+
+- device memory: POSIX shared memory mapped into the process; a "device pointer" is its address.
+  ``empty`` sub-allocates 512-byte aligned chunks from 2 MiB blocks (as CuPy's pool does), so IPC
+  sees arrays at offsets inside an allocation. RINGCOMM_EMULATED_NO_IPC_POOL=1 makes pool blocks
+  not exportable (like stream-ordered allocations), to exercise the IPC scratch path.
+- IPC: a handle names the shared-memory file; opening maps it. Opening a handle of this process,
+  or opening one handle twice, raises (as CUDA does), so the transport's cache is checked.
+- kernels: ``RawModule`` runs ringcomm's kernels through tests/csrc_harness.cpp (built by the
+  caller, path in RINGCOMM_EMULATED_HARNESS): every thread of the launched grid, with every
+  pointer checked to lie in emulated device memory and every vector access checked for alignment.
+- streams and events are lazy: queued work runs only when something waits for it (an event
+  query or synchronize, a stream waiting on an event, or a copy to the host), never earlier. A
+  missing wait in a transport then reads stale data, as it might on a GPU.
+  RINGCOMM_EMULATED_JITTER=<ms> also delays some queued work at random, so ranks drift apart.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import itertools
+import mmap
+import os
+import random
+import threading
+import time
+import types
+
+import numpy as np
+
+__version__ = "0.0+ringcomm-emulated"
+_emulated = True
+
+float16, float32, float64 = np.float16, np.float32, np.float64
+int8, int16, int32, int64 = np.int8, np.int16, np.int32, np.int64
+uint8, uint16, uint32, uint64 = np.uint8, np.uint16, np.uint32, np.uint64
+
+_SM_COUNT = 2
+#: RINGCOMM_EMULATED_JITTER=<ms>: queued work sometimes waits up to that long before it runs
+_JITTER = float(os.environ.get("RINGCOMM_EMULATED_JITTER", "0") or 0) / 1000.0
+_rng = random.Random(os.getpid())
+_BLOCK = 2 << 20
+_ALIGN = 512
+_ids = itertools.count(1)
+_lock = threading.RLock()
+
+
+# ----------------------------------------------------------------------------------- device memory
+class _Allocation:
+    """One shared-memory mapping: an allocation of this process, or a neighbour's opened by IPC."""
+
+    def __init__(self, size: int, name: str | None = None, ipc: bool = True, imported: bool = False) -> None:
+        self.size = max(int(size), 1)
+        self.imported = imported
+        if name is None:
+            name = f"/dev/shm/ringcomm-emu-{os.getpid()}-{next(_ids)}"
+            with open(name, "wb") as f:
+                f.truncate(self.size)
+            _own_files.append(name)
+        self.name = name
+        with open(name, "r+b") as f:
+            self.map = mmap.mmap(f.fileno(), self.size)
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.ipc = ipc
+        self.buffer_id = next(_ids)
+        _regions[self.ptr] = self
+
+
+_regions: dict[int, _Allocation] = {}
+_own_files: list[str] = []
+
+
+@atexit.register
+def _cleanup() -> None:
+    for name in _own_files:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
+def _region(ptr: int, nbytes: int = 1) -> _Allocation:
+    for base, a in _regions.items():
+        if base <= ptr and ptr + max(nbytes, 0) <= base + a.size:
+            return a
+    raise RuntimeError(f"emulated CUDA: address {ptr:#x} (+{nbytes} bytes) is not device memory")
+
+
+def _is_device(ptr: int) -> bool:
+    return any(base <= ptr < base + a.size for base, a in _regions.items())
+
+
+class _PoolChunk:
+    def __init__(self, block: _Allocation, offset: int, size: int) -> None:
+        self.block, self.offset, self.size = block, offset, size
+        self.ptr = block.ptr + offset
+
+    def __del__(self) -> None:
+        try:
+            _pool_free[self.size].append((self.block, self.offset))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_pool_free: dict[int, list] = collections.defaultdict(list)
+_pool_block: list = [None, 0]  # current block, bump offset
+
+
+def _pool_alloc(nbytes: int) -> _PoolChunk:
+    size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
+    with _lock:
+        if _pool_free[size]:
+            block, offset = _pool_free[size].pop()
+            return _PoolChunk(block, offset, size)
+        block, used = _pool_block
+        if block is None or used + size > block.size:
+            ipc = os.environ.get("RINGCOMM_EMULATED_NO_IPC_POOL", "") != "1"
+            block = _Allocation(max(_BLOCK, size), ipc=ipc)
+            used = 0
+        _pool_block[:] = [block, used + size]
+        return _PoolChunk(block, used, size)
+
+
+class Memory:
+    """A direct allocation (cudaMalloc): always exportable."""
+
+    def __init__(self, size: int) -> None:
+        self._a = _Allocation(size)
+        self.ptr, self.size = self._a.ptr, int(size)
+
+
+class UnownedMemory:
+    def __init__(self, ptr: int, size: int, owner: object, device_id: int = -1) -> None:
+        self.ptr, self.size, self.owner = int(ptr), int(size), owner
+
+
+class MemoryPointer:
+    def __init__(self, mem: object, offset: int) -> None:
+        self.mem, self.offset = mem, int(offset)
+        self.ptr = mem.ptr + self.offset
+
+
+class _Pinned(bytearray):
+    @property
+    def ptr(self) -> int:
+        return np.frombuffer(self, np.uint8).ctypes.data
+
+
+def alloc_pinned_memory(nbytes: int) -> _Pinned:
+    return _Pinned(int(nbytes))
+
+
+# ---------------------------------------------------------------------------------- streams, events
+class Stream:
+    _by_ptr: dict[int, Stream] = {}
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        self.ptr = 0 if null else next(_ids)
+        self._queue: collections.deque = collections.deque()
+        Stream._by_ptr[self.ptr] = self
+
+    def _enqueue(self, fn) -> None:
+        self._queue.append(fn)
+
+    def _flush(self, upto=None) -> None:
+        while self._queue and not (upto is not None and getattr(upto, "ran", False)):
+            op = self._queue.popleft()
+            if _JITTER and _rng.random() < 0.2:
+                time.sleep(_rng.random() * _JITTER)  # a slow GPU, now and then: races show up
+            op()
+
+    def synchronize(self) -> None:
+        self._flush()
+
+    def wait_event(self, event: Event) -> None:
+        stream, marker = event._stream, event._marker
+        if stream is not None:
+            self._enqueue(lambda: stream._flush(marker))
+
+    def __enter__(self) -> Stream:
+        _current.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.pop()
+
+    @property
+    def done(self) -> bool:
+        return not self._queue
+
+
+Stream.null = Stream(null=True)
+_current: list[Stream] = []
+
+
+def get_current_stream() -> Stream:
+    return _current[-1] if _current else Stream.null
+
+
+def _flush_all() -> None:
+    for s in list(Stream._by_ptr.values()):
+        s._flush()
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
+        self._stream = None
+        self._marker = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream if stream is not None else get_current_stream()
+
+        def marker() -> None:
+            marker.ran = True
+
+        marker.ran = False
+        stream._enqueue(marker)
+        self._stream, self._marker = stream, marker
+
+    @property
+    def done(self) -> bool:
+        if self._stream is not None:
+            self._stream._flush(self._marker)
+        return True
+
+    def synchronize(self) -> None:
+        _ = self.done
+
+
+class Device:
+    def __init__(self, device: int | None = None) -> None:
+        self.id = 0 if device is None else int(device)
+        if self.id != 0:
+            raise RuntimeError("emulated CUDA has one device")
+
+    def use(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _flush_all()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+# -------------------------------------------------------------------------------------- ndarray
+class _Flags:
+    c_contiguous = True
+    f_contiguous = True
+    writeable = True
+
+
+class ndarray:
+    """A C-contiguous array in emulated device memory (1-D views, slices with step 1, reshape)."""
+
+    def __init__(self, shape, dtype=float, memptr: MemoryPointer | None = None) -> None:
+        self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+        self.data = memptr if memptr is not None else MemoryPointer(_pool_alloc(self.nbytes), 0)
+        self.base = None
+        self.flags = _Flags()
+
+    itemsize = property(lambda self: self.dtype.itemsize)
+    ndim = property(lambda self: len(self.shape))
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        out, step = [], self.dtype.itemsize
+        for dim in reversed(self.shape):
+            out.append(step)
+            step *= max(dim, 1)
+        return tuple(reversed(out))
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "descr": [("", self.dtype.str)],
+                "data": (self.data.ptr, False), "version": 3, "strides": None}
+
+    def _np(self) -> np.ndarray:
+        """A numpy view of the memory (host code only; kernels go through the harness)."""
+        if self.nbytes == 0:
+            return np.empty(self.shape, self.dtype)
+        _region(self.data.ptr, self.nbytes)
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.data.ptr)
+        return np.frombuffer(raw, np.uint8).view(self.dtype).reshape(self.shape)
+
+    def _view(self, offset_bytes: int, shape, dtype=None) -> ndarray:
+        v = ndarray(shape, dtype or self.dtype, MemoryPointer(self.data.mem, self.data.offset + offset_bytes))
+        v.base = self if self.base is None else self.base
+        return v
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if key is Ellipsis or key == slice(None):
+            return self._view(0, self.shape)
+        if isinstance(key, slice) and self.ndim == 1:
+            start, stop, step = key.indices(self.size)
+            if step != 1:
+                raise NotImplementedError("emulated cupy: slices with a step")
+            stop = max(stop, start)
+            return self._view(start * self.itemsize, (stop - start,))
+        raise NotImplementedError(f"emulated cupy: index {key!r}")
+
+    def __setitem__(self, key, value) -> None:
+        target = self[key]
+        if isinstance(value, ndarray):
+            src = value
+
+            def op() -> None:
+                target._np()[...] = src._np()
+        else:
+            val = np.asarray(value)
+
+            def op() -> None:
+                target._np()[...] = val
+        get_current_stream()._enqueue(op)
+
+    def reshape(self, *shape) -> ndarray:
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        known = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        shape = tuple((self.size // known if known else 0) if s == -1 else int(s) for s in shape)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} into {shape}")
+        return self._view(0, shape)
+
+    def ravel(self) -> ndarray:
+        return self.reshape(-1)
+
+    def view(self, dtype) -> ndarray:
+        dtype = np.dtype(dtype)
+        if self.nbytes % dtype.itemsize:
+            raise ValueError("emulated cupy: view with a dtype that does not divide the size")
+        return self._view(0, (self.nbytes // dtype.itemsize,), dtype)
+
+    def _unary(self, fn, dtype=None) -> ndarray:
+        out = ndarray(self.shape, dtype or self.dtype)
+        src = self
+        get_current_stream()._enqueue(lambda: out._np().__setitem__(Ellipsis, fn(src._np())))
+        return out
+
+    def astype(self, dtype) -> ndarray:
+        return self._unary(lambda a: a.astype(dtype), np.dtype(dtype))
+
+    def copy(self) -> ndarray:
+        return self._unary(lambda a: a.copy())
+
+    def fill(self, value) -> None:
+        self[...] = value
+
+    def __mul__(self, other):
+        return self._unary(lambda a: a * other, np.result_type(self.dtype, np.asarray(other).dtype)
+                           if not isinstance(other, (int, float)) else self.dtype)
+
+    __rmul__ = __mul__
+
+    def __add__(self, other):
+        return self._unary(lambda a: a + other, self.dtype)
+
+    __radd__ = __add__
+
+    def __eq__(self, other):
+        o = other._np if isinstance(other, ndarray) else (lambda: other)
+        return self._unary(lambda a: a == o(), np.dtype(bool))
+
+    def __ne__(self, other):
+        o = other._np if isinstance(other, ndarray) else (lambda: other)
+        return self._unary(lambda a: a != o(), np.dtype(bool))
+
+    __hash__ = None
+
+    def sum(self):
+        return self.get().sum()
+
+    def all(self):
+        return self.get().all()
+
+    def get(self) -> np.ndarray:
+        _flush_all()
+        return self._np().copy()
+
+    def set(self, arr: np.ndarray) -> None:
+        _flush_all()
+        self._np()[...] = arr
+
+    def __repr__(self) -> str:
+        return f"emulated_cupy.ndarray(shape={self.shape}, dtype={self.dtype}, ptr={self.data.ptr:#x})"
+
+
+def asarray(a, dtype=None) -> ndarray:
+    if isinstance(a, ndarray):
+        return a if dtype is None else a.astype(dtype)
+    if hasattr(a, "__cuda_array_interface__"):
+        cai = a.__cuda_array_interface__
+        dt = np.dtype(cai["typestr"])
+        n = int(np.prod(cai["shape"], dtype=np.int64))
+        ptr = cai["data"][0]
+        return ndarray(cai["shape"], dt, MemoryPointer(UnownedMemory(ptr, n * dt.itemsize, a), 0))
+    host = np.ascontiguousarray(np.asarray(a, dtype=dtype))
+    out = ndarray(host.shape, host.dtype)
+    if host.size:
+        out._np()[...] = host
+    return out
+
+
+def may_share_memory(a: ndarray, b: ndarray) -> bool:
+    return a.nbytes > 0 and b.nbytes > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
+def asnumpy(a) -> np.ndarray:
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def empty(shape, dtype=float) -> ndarray:
+    return ndarray(shape, dtype)
+
+
+def empty_like(a: ndarray) -> ndarray:
+    return ndarray(a.shape, a.dtype)
+
+
+def zeros(shape, dtype=float) -> ndarray:
+    return asarray(np.zeros(shape, dtype))
+
+
+def ones(shape, dtype=float) -> ndarray:
+    return asarray(np.ones(shape, dtype))
+
+
+def full(shape, value, dtype=None) -> ndarray:
+    return asarray(np.full(shape, value, dtype))
+
+
+def arange(*args, dtype=None) -> ndarray:
+    return asarray(np.arange(*args, dtype=dtype))
+
+
+# ------------------------------------------------------------------------------------------ kernels
+_DT = ["f16", "bf16", "f32", "f64", "i8", "u8", "i16", "u16", "i32", "u32", "i64", "u64"]
+_OPS = ["sum", "prod", "min", "max"]
+_harness = None
+
+
+def _lib():
+    global _harness
+    if _harness is None:
+        path = os.environ.get("RINGCOMM_EMULATED_HARNESS")
+        if not path:
+            raise RuntimeError("emulated cupy: set RINGCOMM_EMULATED_HARNESS to the built tests/csrc_harness.cpp")
+        lib = ctypes.CDLL(path)
+        u64, vp = ctypes.c_uint64, ctypes.c_void_p
+        lib.rc_host_reduce.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, ctypes.c_int, ctypes.c_double, u64]
+        lib.rc_host_copy.argtypes = [vp, vp, u64, u64]
+        lib.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [vp] * 5 + [u64, vp, u64]
+        lib.rc_host_misaligned.restype = u64
+        _harness = lib
+    return _harness
+
+
+class _Kernel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        parts = name.split("_")
+        if name == "ringcomm_copy":
+            self.kind = "copy"
+        elif name.startswith("ringcomm_reduce_") and parts[2] in _OPS and parts[3] in _DT:
+            self.kind = "reduce"
+        elif name.startswith("ringcomm_adam_"):
+            self.kind = "adam"
+        else:
+            raise RuntimeError(f"emulated cupy: no kernel {name!r}")
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream: Stream | None = None) -> None:
+        nthreads = int(np.prod(grid)) * int(np.prod(block))
+        if int(np.prod(block)) != 512:
+            raise RuntimeError(f"{self.name}: launched with {block} threads per block, the kernels need 512")
+        vals = [int(a) if not isinstance(a, (np.floating, float)) else float(a) for a in args]
+        parts = self.name.split("_")
+        if self.kind == "reduce":
+            dst, a, b, n, use_div, div = vals
+            item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
+            for p in (dst, a, b):
+                _region(p, n * item)
+
+            def run() -> None:
+                rc = _lib().rc_host_reduce(_DT.index(parts[3]), _OPS.index(parts[2]), dst, a, b, n, use_div, div,
+                                           nthreads)
+                assert rc == 0
+        elif self.kind == "copy":
+            dst, src, nbytes = vals
+            _region(dst, nbytes)
+            _region(src, nbytes)
+
+            def run() -> None:
+                _lib().rc_host_copy(dst, src, nbytes, nthreads)
+        else:
+            p, g, m, v, out, n, *scalars = vals
+            pd, gd, od = parts[2], parts[3], parts[4]
+            sizes = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+            for ptr, dt in ((p, pd), (g, gd), (m, pd), (v, pd)) + (((out, od),) if od != "none" else ()):
+                _region(ptr, n * sizes[dt])
+            s = np.array(scalars, np.float64)
+
+            def run() -> None:
+                rc = _lib().rc_host_adam(_DT.index(pd), _DT.index(gd), -1 if od == "none" else _DT.index(od), p, g,
+                                         m, v, out, n, s.ctypes.data, nthreads)
+                assert rc == 0
+
+        def checked() -> None:
+            run()
+            bad = _lib().rc_host_misaligned()
+            if bad:
+                raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
+
+        (stream if stream is not None else get_current_stream())._enqueue(checked)
+
+
+class RawModule:
+    def __init__(self, code: str | None = None, path: str | None = None, options=(), **kw) -> None:
+        if "extern \"C\"" not in (code or ""):
+            raise RuntimeError("emulated cupy: RawModule without extern \"C\" kernels")
+        self.code = code
+
+    def get_function(self, name: str) -> _Kernel:
+        return _Kernel(name)  # the names come from macros in the source; _Kernel checks their form
+
+
+# ------------------------------------------------------------------------------------- cuda.runtime
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+_opened: dict[bytes, int] = {}
+
+
+def _ipcGetMemHandle(ptr: int) -> bytes:
+    a = _regions.get(int(ptr))
+    if a is None or a.imported:
+        raise CUDARuntimeError("cudaErrorInvalidValue: not the base of an allocation of this process")
+    if not a.ipc:
+        raise CUDARuntimeError("cudaErrorInvalidValue: allocation not exportable")
+    handle = f"{os.getpid()}:{a.size}:{a.name}".encode()
+    if len(handle) > 64:
+        raise CUDARuntimeError("emulated handle too long")
+    return handle.ljust(64, b"\0")
+
+
+def _ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
+    pid, size, name = handle.rstrip(b"\0").decode().split(":", 2)
+    if int(pid) == os.getpid():
+        raise CUDARuntimeError("cudaErrorDeviceUninitialized: a process cannot open its own IPC handle")
+    if handle in _opened:
+        raise CUDARuntimeError("cudaErrorAlreadyMapped: handle already opened in this process")
+    a = _Allocation(int(size), name=name, imported=True)
+    _opened[handle] = a.ptr
+    return a.ptr
+
+
+def _ipcCloseMemHandle(ptr: int) -> None:
+    for h, p in list(_opened.items()):
+        if p == ptr:
+            del _opened[h]
+            _regions.pop(ptr, None)
+            return
+    raise CUDARuntimeError("cudaErrorInvalidValue: not an opened IPC mapping")
+
+
+def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> None:
+    if kind == 2:  # device to host
+        _region(src, size)
+        assert not _is_device(dst), "memcpyDeviceToHost into device memory"
+    elif kind == 1:
+        _region(dst, size)
+        assert not _is_device(src), "memcpyHostToDevice from device memory"
+    else:
+        _region(dst, size)
+        _region(src, size)
+    Stream._by_ptr[int(stream_ptr)]._enqueue(lambda: ctypes.memmove(dst, src, size))
+
+
+runtime = types.SimpleNamespace(
+    getDevice=lambda: 0, getDeviceCount=lambda: 1, cudaDevAttrMultiProcessorCount=16,
+    deviceGetAttribute=lambda attr, dev: _SM_COUNT if attr == 16 else 0,
+    memcpyAsync=_memcpyAsync, memcpyDeviceToHost=2, memcpyHostToDevice=1, memcpyDeviceToDevice=3,
+    ipcGetMemHandle=_ipcGetMemHandle, ipcOpenMemHandle=_ipcOpenMemHandle, ipcCloseMemHandle=_ipcCloseMemHandle,
+    CUDARuntimeError=CUDARuntimeError, deviceSynchronize=_flush_all,
+)
+driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2)
+
+
+class _Driver:
+    """What ringcomm.transports.ipc asks libcuda for, answered from the emulated allocations."""
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        a = _region(ptr)
+        return a.ptr, a.size
+
+    def attribute(self, ptr: int, attr: int) -> int | None:
+        try:
+            a = _region(ptr)
+        except RuntimeError:
+            return None
+        return {7: a.buffer_id, 10: int(a.ipc and not a.imported)}.get(attr)
+
+
+cuda = types.SimpleNamespace(
+    Stream=Stream, ExternalStream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
+    Memory=Memory, MemoryPointer=MemoryPointer, UnownedMemory=UnownedMemory, alloc_pinned_memory=alloc_pinned_memory,
+    runtime=runtime, driver=driver, is_available=lambda: True,
+)
+
+
+def _install_driver() -> None:
+    try:
+        import ringcomm.transports.ipc as ipc
+    except ImportError:
+        return
+    ipc._driver = _Driver()
+
+
+_install_driver()

@@ -1,0 +1,221 @@
+"""Every collective, op and dtype on CuPy arrays, N = 1, 2, 4 ranks sharing one GPU (skipped without one).
+
+Each GPU transport in turn (CUDA IPC, staged, and CUDA-aware MPI where the library is), against
+float64 host references (tests/conftest.py), with poisoned outputs, odd counts, views that start at
+element 1 (so IPC exports an offset inside a pool block), bitwise agreement across ranks, and
+bitwise agreement with the host path on the same data. One mpiexec launch per N loops over all.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from conftest import (
+    DTYPES, assert_identical_on_all_ranks, assert_matches, gather_all, make_comm, ops_for, random_input, shared_seed,
+)
+from mpi4py import MPI
+
+cupy = pytest.importorskip("cupy")
+try:
+    _ngpu = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001 - no driver
+    _ngpu = 0
+if _ngpu == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from ringcomm.ops import ReduceOp  # noqa: E402
+from ringcomm.transports import ipc, staged  # noqa: E402
+
+NPROCS = [1, 2, 4]
+
+
+def _use_local_gpu() -> None:
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cupy.cuda.Device(node.rank % _ngpu).use()  # one GPU: every rank on device 0
+    node.Free()
+
+
+def transports() -> list[str]:
+    names = ["ipc", "staged"]
+    if staged.cuda_aware_mpi():
+        names.append("mpi")
+    return names
+
+
+def counts(n: int) -> list[int]:
+    return sorted({0, 1, n + 1, 16 * n + 3, 40_003})
+
+
+def dev(a: np.ndarray, offset: int = 0):
+    """``a`` on the GPU; with ``offset``, as a view starting ``offset`` elements into a larger buffer."""
+    buf = np.zeros(a.size + offset, a.dtype)
+    buf[offset:] = a
+    try:
+        d = cupy.asarray(buf)
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"CuPy {cupy.__version__} cannot hold {a.dtype} arrays: {e}")
+    return d[offset:]
+
+
+def poisoned(count: int, dtype: np.dtype):
+    return dev(np.full(count, 77 if np.dtype(dtype).kind in "iu" else np.nan, dtype))
+
+
+def host(d) -> np.ndarray:
+    return cupy.asnumpy(d)
+
+
+def comm_with(transport: str, **kw):
+    os.environ["RINGCOMM_TRANSPORT"] = transport
+    try:
+        comm = make_comm(**kw)
+        assert comm.transport_name(cupy.empty(1, np.float32)) == transport
+    finally:
+        del os.environ["RINGCOMM_TRANSPORT"]
+    return comm
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_cuda_collectives_every_op_and_dtype():
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    hostcomm = make_comm(small_bytes=0)
+    for transport in transports():
+        ring = comm_with(transport, small_bytes=0)
+        small = comm_with(transport)  # all-reduces up to small_bytes take the gather-fold path
+        n, r = ring.size, ring.rank
+        for dtype in DTYPES:
+            for op in ops_for(dtype):
+                for count in counts(n):
+                    offset = int(count % 2)  # odd counts: a view that starts at element 1
+                    what = f"{transport} N={n} {dtype} {op} count={count} offset={offset}"
+                    x = random_input(rng, count, dtype, op)
+                    inputs = gather_all(mpi, x)
+                    expect = hostcomm.all_reduce(x.copy(), op)  # the host path: same schedule, same bits
+
+                    xd = dev(x, offset)
+                    assert ring.all_reduce(xd, op) is xd
+                    got = host(xd)
+                    assert_matches(got, inputs, op, f"all_reduce {what}")
+                    assert_identical_on_all_ranks(mpi, got, f"all_reduce {what}")
+                    assert got.tobytes() == expect.tobytes(), f"all_reduce GPU vs host {what}"
+
+                    xd = dev(x, offset)
+                    out = poisoned(count, dtype)
+                    assert ring.all_reduce(xd, op, out=out) is out
+                    assert host(out).tobytes() == expect.tobytes(), f"out-of-place all_reduce {what}"
+                    assert host(xd).tobytes() == x.tobytes(), f"all_reduce out= modified x {what}"
+                    if count <= 16 * n + 3:
+                        via_small = host(small.all_reduce(dev(x, offset), op))
+                        assert via_small.tobytes() == expect.tobytes(), f"gather-fold all_reduce {what}"
+
+                    lo, hi = ring.shard_bounds(count)[r]
+                    shard = ring.reduce_scatter(xd, op)
+                    assert host(shard).tobytes() == expect[lo:hi].tobytes(), f"reduce_scatter {what}"
+                    out_shard = poisoned(hi - lo, dtype)
+                    assert ring.reduce_scatter(xd, op, out=out_shard) is out_shard
+                    assert host(out_shard).tobytes() == expect[lo:hi].tobytes(), f"reduce_scatter out= {what}"
+                    assert host(xd).tobytes() == x.tobytes(), f"reduce_scatter modified x {what}"
+
+                    gathered = poisoned(count, dtype)
+                    assert ring.all_gather(shard, out=gathered) is gathered
+                    assert host(gathered).tobytes() == expect.tobytes(), f"all_gather {what}"
+                    assert host(ring.all_gather(shard)).tobytes() == expect.tobytes(), f"all_gather out=None {what}"
+                    in_place = poisoned(count, dtype)
+                    in_place[lo:hi] = shard
+                    ring.all_gather(in_place[lo:hi], out=in_place)
+                    assert host(in_place).tobytes() == expect.tobytes(), f"in-place all_gather {what}"
+
+            for root in sorted({0, n - 1}):
+                count = 40_003
+                x = random_input(rng, count, dtype, ReduceOp.SUM)
+                inputs = gather_all(mpi, x)
+                b = dev(x, 1)
+                assert ring.broadcast(b, root=root) is b
+                assert host(b).tobytes() == inputs[root].tobytes(), f"broadcast {transport} N={n} {dtype} root={root}"
+                for op in ops_for(dtype):
+                    y = random_input(rng, count, dtype, op)
+                    ys = gather_all(mpi, y)
+                    out = poisoned(count, dtype)
+                    yd = dev(y, 1)
+                    res = ring.reduce(yd, op, root=root, out=out)
+                    what = f"reduce {transport} N={n} {dtype} {op} root={root}"
+                    assert host(yd).tobytes() == y.tobytes(), f"{what} modified x"
+                    if r == root:
+                        assert res is out
+                        assert_matches(host(out), ys, op, what)
+                        assert host(out).tobytes() == hostcomm.reduce(y.copy(), op, root=root).tobytes(), what
+                    else:
+                        assert res is None
+                        assert hostcomm.reduce(y.copy(), op, root=root) is None
+                        assert np.isnan(host(out).astype(np.float64)).all() or (host(out) == 77).all(), what
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_large_buffers_pipeline_and_back_to_back_reuse():
+    """Multi-slice staged chunks; then many collectives in a row on the same buffers, each result
+    overwritten right after on the stream: a neighbour still reading this rank's memory after a
+    collective returned (a missing write-after-read wait) would corrupt the next one."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    for transport in transports():
+        comm = comm_with(transport)
+        count = (12 << 20) + 5  # float32: chunks of several staged slices
+        x = cupy.arange(count, dtype=cupy.float32) * (r + 1)
+        comm.all_reduce(x)
+        want = np.arange(count, dtype=np.float64) * (n * (n + 1) / 2)
+        np.testing.assert_allclose(host(x), want, rtol=1e-6, err_msg=f"{transport} large all_reduce")
+        buf = cupy.empty(1 << 16, cupy.int64)
+        s = cupy.cuda.Stream(non_blocking=True)
+        for i in range(40):
+            with s:
+                buf[...] = r + i * 1000  # written on the stream right after the previous collective
+            comm.all_reduce(buf, stream=s)
+            s.synchronize()
+            expected = sum(k + i * 1000 for k in range(n))
+            assert (host(buf) == expected).all(), f"{transport}: iteration {i} corrupted"
+            half = comm.reduce_scatter(buf, stream=s)
+            comm.all_gather(half, out=buf, stream=s)
+            s.synchronize()
+            assert (host(buf) == expected * n).all(), f"{transport}: iteration {i} reduce_scatter/all_gather"
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+def test_ipc_failure_falls_back_to_staged_on_every_rank(monkeypatch):
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    if mpi.rank == 1:  # one rank cannot open its neighbour's handle
+        def broken(self, row):
+            raise RuntimeError("simulated cudaIpcOpenMemHandle failure")
+
+        monkeypatch.setattr(ipc.IpcTransport, "_open", broken)
+    comm = comm_with("ipc")
+    x = cupy.arange(1001, dtype=cupy.float64) + mpi.rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.all_reduce(x)
+    assert any("staged" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert comm.transport_name(x) == "staged"
+    want = np.arange(1001, dtype=np.float64) * mpi.size + sum(range(mpi.size))
+    np.testing.assert_array_equal(host(x), want)
+    comm.all_reduce(x)  # stays on staged, no second agreement needed
+    np.testing.assert_array_equal(host(x), want * mpi.size)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_transport_choice_is_logged(caplog):
+    _use_local_gpu()
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        comm = make_comm()
+        x = cupy.ones(100, cupy.float32)
+        comm.all_reduce(x)
+    assert comm.transport_name(x) == "ipc"  # two ranks on one node
+    assert any("cuda transport" in rec.getMessage() and "ipc" in rec.getMessage() for rec in caplog.records)
+    assert any("transport=ipc" in rec.getMessage() for rec in caplog.records)

@@ -1,0 +1,270 @@
+"""The kernels' arithmetic and indexing, run on the CPU against numpy (no GPU, no nvcc).
+
+tests/csrc_harness.cpp includes csrc/*.cu with the host C++ compiler and runs every "thread" of a
+grid in turn; the grids here are small so the unrolled, remainder, head and tail paths of the
+grid-stride loops all run. Guard bytes around each output catch writes out of bounds. Skipped
+when no C++ compiler is found. (On the GPU the 16-bit conversions are PTX cvt instructions; here
+the integer versions in common.cuh run, checked below against numpy and ml_dtypes.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "csrc_harness.cpp"
+DTYPES = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16,
+                                np.uint16, np.int32, np.uint32, np.int64, np.uint64)]
+OPS = ["sum", "prod", "min", "max"]
+FLOATS = DTYPES[:4]
+CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+u64 = ctypes.c_uint64
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler found")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    out = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
+    cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas", str(HARNESS), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+    so = ctypes.CDLL(str(out))
+    so.rc_host_reduce.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, u64,
+                                  ctypes.c_int, ctypes.c_double, u64]
+    so.rc_host_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, u64, u64]
+    so.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [u64, ctypes.c_void_p, u64]
+    so.rc_host_convert.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, u64]
+    so.rc_host_misaligned.restype = u64
+    return so
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(f"u{a.itemsize}")
+
+
+def random(rng: np.random.Generator, dtype: np.dtype, n: int, op: str = "sum") -> np.ndarray:
+    if dtype in FLOATS:
+        x = rng.standard_normal(n) * (1.5 if op == "prod" else 100.0)
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+
+
+def reference(a: np.ndarray, b: np.ndarray, op: str, div: int) -> np.ndarray:
+    """float64-free reference: the op in the accumulation type (float32 for half types), one rounding."""
+    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    if a.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        r = fn(a.astype(np.float32), b.astype(np.float32))
+        if div != 1:
+            r = r / np.float32(div)
+        return r.astype(a.dtype)
+    with np.errstate(over="ignore"):
+        r = fn(a, b)
+    if div != 1:
+        r = (r / a.dtype.type(div)).astype(a.dtype)
+    return r
+
+
+def guarded(dtype: np.dtype, n: int, offset: int, fill: int = 0xA5) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes, view of n elements starting ``offset`` elements into it), guard bytes all around."""
+    item = dtype.itemsize
+    raw = np.full((n + offset + 64) * item + 64, fill, np.uint8)
+    base = (-ptr(raw)) % 64  # a 64-byte aligned start, so offsets are what the test says
+    view = raw[base + offset * item: base + (offset + n) * item].view(dtype)
+    return raw, view
+
+
+def check_guards(raw: np.ndarray, view: np.ndarray, fill: int = 0xA5) -> None:
+    lo = ptr(view) - ptr(raw)
+    hi = lo + view.nbytes
+    assert (raw[:lo] == fill).all() and (raw[hi:] == fill).all(), "kernel wrote outside its output"
+
+
+COUNTS = [0, 1, 2, 7, 15, 16, 17, 33, 127, 1000, 4099]
+# (dst, a, b) element offsets from a 64-byte boundary: aligned, all shifted alike, mixed
+OFFSETS = [(0, 0, 0), (1, 1, 1), (3, 3, 3), (0, 1, 0), (2, 0, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce_matches_numpy(lib, dtype):
+    rng = np.random.default_rng(1234 + DTYPES.index(dtype))
+    code = DTYPES.index(dtype)
+    for op in OPS:
+        for n in COUNTS:
+            for offs in OFFSETS:
+                divs = [1, 3] if dtype in FLOATS else [1]
+                for div in divs:
+                    for in_place in (False, True):
+                        nthreads = int(rng.choice([16, 32, 96]))
+                        a = random(rng, dtype, n, op)
+                        b = random(rng, dtype, n, op)
+                        want = reference(a, b, op, div)
+                        raw_d, d = guarded(dtype, n, offs[0])
+                        raw_b, bv = guarded(dtype, n, offs[2])
+                        bv[...] = b
+                        if in_place:
+                            d[...] = a
+                            av = d
+                        else:
+                            raw_a, av = guarded(dtype, n, offs[1])
+                            av[...] = a
+                        rc = lib.rc_host_reduce(code, OPS.index(op), ptr(d), ptr(av), ptr(bv), n, int(div != 1),
+                                                float(div), nthreads)
+                        assert rc == 0
+                        where = f"{dtype} {op} n={n} offsets={offs} div={div} in_place={in_place}"
+                        np.testing.assert_array_equal(bits(d), bits(want), err_msg=where)
+                        check_guards(raw_d, d)
+                        np.testing.assert_array_equal(bits(bv), bits(b), err_msg=f"b changed: {where}")
+                        assert lib.rc_host_misaligned() == 0, f"misaligned vector access: {where}"
+
+
+def test_reduce_nan_propagates(lib):
+    for dtype in FLOATS:
+        a = np.array([np.nan, 1, np.nan, -np.inf], dtype)
+        b = np.array([2, np.nan, np.nan, 5], dtype)
+        for op in ("min", "max", "sum"):
+            d = np.zeros(4, dtype)
+            lib.rc_host_reduce(DTYPES.index(dtype), OPS.index(op), ptr(d), ptr(a), ptr(b), 4, 0, 1.0, 16)
+            assert np.isnan(d[:3].astype(np.float64)).all(), (dtype, op, d)
+
+
+def test_copy_every_alignment(lib):
+    rng = np.random.default_rng(7)
+    for nbytes in (0, 1, 5, 15, 16, 17, 31, 64, 200, 4097, 20011):
+        for do in range(0, 16, 3):
+            for so in range(0, 16, 5):
+                raw_d, d = guarded(np.dtype(np.uint8), nbytes, do)
+                raw_s, s = guarded(np.dtype(np.uint8), nbytes, so, fill=0x3C)
+                s[...] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+                lib.rc_host_copy(ptr(d), ptr(s), nbytes, int(rng.choice([16, 64])))
+                np.testing.assert_array_equal(d, s, err_msg=f"nbytes={nbytes} dst+{do} src+{so}")
+                check_guards(raw_d, d)
+                assert lib.rc_host_misaligned() == 0, f"misaligned word access: nbytes={nbytes} dst+{do} src+{so}"
+
+
+def _convert(lib, kind: int, src: np.ndarray, out_dtype: Any) -> np.ndarray:
+    src = np.ascontiguousarray(src)
+    out = np.empty(src.size, out_dtype)
+    lib.rc_host_convert(kind, ptr(src), ptr(out), src.size)
+    return out
+
+
+
+def test_half_conversions_match_numpy(lib):
+    every = np.arange(1 << 16, dtype=np.uint16)
+    f = _convert(lib, 1, every, np.float32)
+    np.testing.assert_array_equal(f, every.view(np.float16).astype(np.float32))  # NaNs compare equal here
+    rng = np.random.default_rng(3)
+    with np.errstate(invalid="ignore"):
+        between = every.view(np.float16).astype(np.float32) * np.float32(1.0004883)
+    x = np.concatenate([
+        every.view(np.float16).astype(np.float32),                           # exact values
+        between,                                                             # between neighbours, ties
+        rng.standard_normal(100000).astype(np.float32) * np.float32(1e-5),    # subnormal range
+        rng.standard_normal(100000).astype(np.float32) * np.float32(3e4),     # overflow boundary
+        np.array([65504, 65519.996, 65520, 65536, 2.0**-25, 2.0**-24, 1.5 * 2.0**-24, 2.0**-14, np.inf, -np.inf],
+                 np.float32),
+    ])
+    x = x[~np.isnan(x)]
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(_convert(lib, 0, x, np.uint16), bits(want))
+
+
+def test_bfloat16_conversions_match_ml_dtypes(lib):
+    every = np.arange(1 << 16, dtype=np.uint16)
+    finite = ~np.isnan(every.view(ml_dtypes.bfloat16).astype(np.float32))
+    f = _convert(lib, 3, every, np.float32)
+    np.testing.assert_array_equal(f[finite], every.view(ml_dtypes.bfloat16).astype(np.float32)[finite])
+    rng = np.random.default_rng(4)
+    x = np.concatenate([
+        (rng.standard_normal(200000) * 10.0 ** rng.integers(-40, 38, 200000)).astype(np.float32),
+        (every[finite].view(ml_dtypes.bfloat16).astype(np.float32) * np.float32(1.00390625)),  # ties
+    ])
+    x = x[np.isfinite(x)]
+    np.testing.assert_array_equal(_convert(lib, 2, x, np.uint16), bits(x.astype(ml_dtypes.bfloat16)))
+
+
+def _f64_to_bf16_exact(x: np.ndarray) -> np.ndarray:
+    """Correctly rounded float64 -> bfloat16 (RNE) for values in bfloat16's normal range."""
+    b = x.view(np.uint64)
+    r = b + np.uint64((1 << 44) - 1) + ((b >> np.uint64(45)) & np.uint64(1))
+    sign = (r >> np.uint64(48)) & np.uint64(0x8000)
+    exp = ((r >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64) - 1023 + 127
+    man = (r >> np.uint64(45)) & np.uint64(0x7F)
+    return (sign | (exp.astype(np.uint64) << np.uint64(7)) | man).astype(np.uint16)
+
+
+def test_double_rounding_free_casts(lib):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(300000) * 10.0 ** rng.integers(-9, 5, 300000)
+    # values just off a float16 tie: a double rounding through float32 would get these wrong
+    halves = np.arange(0x0400, 0x7BFF, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ulp = np.spacing(halves.astype(np.float16)).astype(np.float64)
+    x = np.concatenate([x, halves + ulp / 2 + 2.0**-40 * halves, halves + ulp / 2 - 2.0**-40 * halves])
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(_convert(lib, 4, x, np.uint16), bits(x.astype(np.float16)))
+    y = rng.standard_normal(300000) * 10.0 ** rng.integers(-30, 30, 300000)
+    bfs = np.arange(0x0080, 0x7F7F, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    y = np.concatenate([y, bfs * (1 + 2.0**-8 + 2.0**-45), bfs * (1 + 2.0**-8 - 2.0**-45)])
+    np.testing.assert_array_equal(_convert(lib, 5, y, np.uint16), _f64_to_bf16_exact(y))
+
+
+def adam_reference(p, g, m, v, lr, b1, b2, eps, wd, step, scale):
+    p, g, m, v = (np.asarray(a, np.float64) for a in (p, g.astype(np.float64), m, v))
+    g = g * scale
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    mhat, vhat = m / (1 - b1**step), v / (1 - b2**step)
+    p = p * (1 - lr * wd)
+    p = p - lr * mhat / (np.sqrt(vhat) + eps)
+    return p, m, v
+
+
+@pytest.mark.parametrize("pdt", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+def test_fused_adam_matches_reference(lib, pdt):
+    rng = np.random.default_rng(11)
+    for gdt in FLOATS:
+        for odt in [None] + FLOATS:
+            for n in (0, 1, 37, 3001):
+                p0 = rng.standard_normal(n).astype(pdt)
+                g = (rng.standard_normal(n) * 0.1).astype(gdt)
+                m0 = (rng.standard_normal(n) * 0.01).astype(pdt)
+                v0 = np.abs(rng.standard_normal(n) * 0.001).astype(pdt)
+                lr, b1, b2, eps, wd, step, scale = 1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5
+                p, m, v = p0.copy(), m0.copy(), v0.copy()
+                raw_o, out = guarded(odt or np.dtype(np.uint8), n, 1)
+                s = np.array([lr, b1, b2, eps, 1 - lr * wd, 1 - b1**step, 1 - b2**step, scale], np.float64)
+                rc = lib.rc_host_adam(DTYPES.index(pdt), DTYPES.index(gdt), -1 if odt is None else DTYPES.index(odt),
+                                      ptr(p), ptr(g), ptr(m), ptr(v), ptr(out) if odt is not None else 0, n, ptr(s),
+                                      int(rng.choice([16, 64])))
+                assert rc == 0
+                rp, rm, rv = adam_reference(p0, g, m0, v0, lr, b1, b2, eps, wd, step, scale)
+                u = 2.0**-24 if pdt == np.float32 else 2.0**-53  # unit roundoff; atol: a few ulps of the inputs
+                where = f"master {pdt} grad {gdt} out {odt} n={n}"
+                np.testing.assert_allclose(p, rp, rtol=64 * u, atol=16 * u, err_msg=where)
+                np.testing.assert_allclose(m, rm, rtol=64 * u, atol=16 * u * 0.1, err_msg=where)
+                np.testing.assert_allclose(v, rv, rtol=64 * u, atol=16 * u * 1e-3, err_msg=where)
+                if odt is None:
+                    assert (raw_o == 0xA5).all()
+                    continue
+                check_guards(raw_o, out)
+                if odt == np.dtype(ml_dtypes.bfloat16) and pdt == np.float64:
+                    want = _f64_to_bf16_exact(p) if n else np.empty(0, np.uint16)
+                else:
+                    want = bits(p.astype(odt))
+                np.testing.assert_array_equal(bits(out), want, err_msg=where)
