@@ -1,0 +1,426 @@
+"""The implementations a row compares: ringcomm itself and the baselines (MPI, NCCL).
+
+Each implementation turns a :class:`~ringcomm.bench.data.Case` and the shared buffers into a
+:class:`Prepared` call (or says why it cannot run that case: the row shows N/A). All of them use
+the same buffers, filled with the same data, so their results are checked the same way.
+
+In-place follows nccl-tests: all_reduce, broadcast, reduce work in one buffer; reduce_scatter
+reduces the full buffer and leaves the rank's shard in it (ringcomm and NCCL at the rank's offset,
+MPI_IN_PLACE at the start, as the MPI standard says); all_gather gathers into the full buffer whose
+own shard already holds the rank's input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..ops import ReduceOp, bfloat16
+from .data import COMBINE, Case
+
+
+class Buffers:
+    """Named raw buffers reused by every row of a sweep (grown to the largest size, never shrunk),
+    so that rows do not pay for fresh memory. ``xp`` is numpy or cupy."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+        self._raw: dict[str, Any] = {}
+
+    def get(self, name: str, count: int, dtype: np.dtype) -> Any:
+        """A ``count``-element array of ``dtype`` over buffer ``name`` (contents undefined)."""
+        dtype = np.dtype(dtype)
+        need = count * dtype.itemsize
+        raw = self._raw.get(name)
+        if raw is None or raw.size < need:
+            self._raw.pop(name, None)
+            raw = self._raw[name] = self.xp.empty(max(need, 1), np.uint8)
+        return raw[:need].view(dtype)
+
+    def release(self) -> None:
+        """Drop every buffer."""
+        self._raw.clear()
+
+
+@dataclasses.dataclass
+class Arrays:
+    """The two arrays of a row: ``send`` (the out-of-place input) and ``recv`` (the out-of-place
+    output). The in-place buffer is the full-size one of the two: :meth:`full`."""
+
+    send: Any
+    recv: Any
+
+    @classmethod
+    def of(cls, case: Case, bufs: Buffers) -> Arrays:
+        lo, hi = case.shard
+        n_in = hi - lo if case.collective == "all_gather" else case.count
+        n_out = hi - lo if case.collective == "reduce_scatter" else case.count
+        return cls(bufs.get("send", n_in, case.dtype), bufs.get("recv", n_out, case.dtype))
+
+    def full(self, case: Case) -> Any:
+        """The in-place buffer (``count`` elements)."""
+        return self.send if case.collective == "reduce_scatter" else self.recv
+
+    def input(self, case: Case, inplace: bool) -> Any:
+        """Where this rank's input goes (:meth:`Case.input_range` elements)."""
+        if not inplace:
+            return self.send
+        lo, hi = case.shard
+        return self.recv[lo:hi] if case.collective == "all_gather" else self.full(case)
+
+    def poisoned(self, case: Case, inplace: bool) -> Any | None:
+        """What is poisoned before a checked run (before the input is loaded): the output, or for an
+        in-place all_gather the whole buffer; None when the input covers the output."""
+        if not inplace:
+            return self.recv
+        return self.recv if case.collective == "all_gather" else None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One ready call: ``run()`` starts the collective (asynchronously on GPUs), ``sync()`` waits
+    for it, ``result`` is the array the check reads afterwards."""
+
+    run: Callable[[], Any]
+    result: Any
+    sync: Callable[[], None]
+
+
+def _no_sync() -> None:
+    pass
+
+
+def result_view(case: Case, arrays: Arrays, inplace: bool) -> Any:
+    """Where ringcomm and NCCL leave this rank's result (for reduce off the root: the input, which
+    must be unchanged)."""
+    lo, hi = case.shard
+    if case.collective == "reduce_scatter":
+        return arrays.send[lo:hi] if inplace else arrays.recv
+    if case.collective == "reduce" and case.rank != case.root and not inplace:
+        return arrays.send
+    return arrays.recv
+
+
+class RingcommImpl:
+    """ringcomm's collectives through the public Communicator API."""
+
+    name = "ringcomm"
+
+    def __init__(self, comm: Any, stream: Any = None) -> None:
+        self.comm = comm
+        self.stream = stream  # a CuPy stream on GPU runs, None on the host
+
+    def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
+        """One header line: what this implementation is and how it moves data."""
+        return f"ringcomm {_version()}: ring collectives, transport {self.comm.transport_name(array)}"
+
+    def prepare(self, case: Case, arrays: Arrays, inplace: bool) -> Prepared | str:
+        comm, op, root, c = self.comm, case.op, case.root, case.collective
+        kw = {} if self.stream is None else {"stream": self.stream}
+        s, r = arrays.send, arrays.recv
+        lo, hi = case.shard
+        if c == "broadcast" and not inplace:
+            return "ringcomm's broadcast is in place only"
+        calls: dict[tuple[str, bool], Callable[[], Any]] = {
+            ("all_reduce", False): lambda: comm.all_reduce(s, op, out=r, **kw),
+            ("all_reduce", True): lambda: comm.all_reduce(r, op, **kw),
+            ("reduce_scatter", False): lambda: comm.reduce_scatter(s, op, out=r, **kw),
+            ("reduce_scatter", True): lambda: comm.reduce_scatter(s, op, out=s[lo:hi], **kw),
+            ("all_gather", False): lambda: comm.all_gather(s, out=r, **kw),
+            ("all_gather", True): lambda: comm.all_gather(r[lo:hi], out=r, **kw),
+            ("broadcast", True): lambda: comm.broadcast(r, root, **kw),
+            ("reduce", False): lambda: comm.reduce(s, op, root, out=r, **kw),
+            ("reduce", True): lambda: comm.reduce(r, op, root, **kw),
+        }
+        sync = self.stream.synchronize if self.stream is not None else _no_sync
+        return Prepared(calls[c, inplace], result_view(case, arrays, inplace), sync)
+
+
+# ---------------------------------------------------------------------------------------------- MPI
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX}
+
+
+_MPI_TYPES = {"int8": "INT8_T", "uint8": "UINT8_T", "int16": "INT16_T", "uint16": "UINT16_T", "int32": "INT32_T",
+              "uint32": "UINT32_T", "int64": "INT64_T", "uint64": "UINT64_T", "float16": "FLOAT16_T",
+              "float32": "FLOAT", "float64": "DOUBLE", "bfloat16": "BFLOAT16_T"}
+
+
+def mpi_datatype(dtype: np.dtype) -> Any:
+    """The named MPI datatype for ``dtype``, or None when the MPI library has none (MPICH 5 has no
+    bfloat16; MPI before 5.0 may lack FLOAT16_T)."""
+    name = _MPI_TYPES.get(np.dtype(dtype).name)
+    t = getattr(MPI, name, MPI.DATATYPE_NULL) if name else MPI.DATATYPE_NULL
+    return None if t == MPI.DATATYPE_NULL else t
+
+
+class MpiImpl:
+    """mpi4py's own collectives on a private duplicate of ringcomm's communicator.
+
+    Host arrays are passed directly. GPU arrays are passed directly when the MPI is CUDA-aware,
+    otherwise staged: each call copies device -> host, runs MPI on host mirrors, copies back (the
+    copies are inside the timed call). ``avg`` is MPI_SUM then a local division (MPI has no average).
+    Types the MPI library has no datatype for (bfloat16 in MPICH) use a commutative MPI user
+    operation written with numpy, on 16-bit words.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, device: str, cuda_aware: bool) -> None:
+        self.mpi = comm.mpi.Dup()
+        self.size = comm.size
+        self.device = device
+        self.staged = device != "host" and not cuda_aware
+        self.cuda_aware = cuda_aware
+        self._user_ops: dict[tuple[ReduceOp, np.dtype], MPI.Op] = {}
+        self._mirrors = Buffers(np)
+
+    def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
+        """One header line, including the types that need an MPI user op."""
+        where = "host buffers" if self.device == "host" else (
+            "device buffers (CUDA-aware MPI)" if self.cuda_aware else "host copies of the device buffers "
+            "(MPI is not CUDA-aware; the copies are timed)")
+        missing = [str(np.dtype(d)) for d in dtypes if mpi_datatype(d) is None]
+        extra = (f"; {', '.join(missing)} reductions via a commutative MPI user op written with numpy "
+                 f"(this MPI has no {', '.join(missing)} datatype)") if missing else ""
+        return (f"mpi4py {_mpi4py_version()} collectives (Allreduce, Reduce_scatter_block/Reduce_scatter, "
+                f"Allgather/Allgatherv, Bcast, Reduce) on {where}; avg = MPI_SUM then divide{extra}")
+
+    def close(self) -> None:
+        for op in self._user_ops.values():
+            op.Free()
+        self._user_ops.clear()
+        self._mirrors.release()
+        if self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+
+    def _types(self, case: Case) -> tuple[Any, Any, Callable[[Any], Any]]:
+        """(MPI datatype, MPI op, view) for the case; ``view`` turns an array into what MPI gets."""
+        dt = mpi_datatype(case.dtype)
+        op = _MPI_OPS[case.op] if case.op is not None else MPI.SUM
+        if dt is not None:
+            return dt, op, lambda a: a
+        size = case.dtype.itemsize
+        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+        dt = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}[size]
+        if case.op is not None:
+            op = self._user_op(case.op, case.dtype)
+        return dt, op, lambda a: a.view(word)
+
+    def _user_op(self, op: ReduceOp, dtype: np.dtype) -> MPI.Op:
+        key = (op, dtype)
+        if key not in self._user_ops:
+            ufunc = COMBINE[op]
+
+            def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                a = np.frombuffer(inbuf, dtype)
+                b = np.frombuffer(inoutbuf, dtype)
+                ufunc(a, b, out=b)
+
+            self._user_ops[key] = MPI.Op.Create(combine, commute=True)
+        return self._user_ops[key]
+
+    def prepare(self, case: Case, arrays: Arrays, inplace: bool) -> Prepared | str:
+        c, n, root, rank = case.collective, self.size, case.root, case.rank
+        if c == "broadcast" and not inplace:
+            return "MPI_Bcast is in place only"
+        dt, op, view = self._types(case)
+        avg = case.op is ReduceOp.AVG
+        if self.staged:
+            s = self._mirrors.get("send", arrays.send.size, case.dtype)
+            r = self._mirrors.get("recv", arrays.recv.size, case.dtype)
+        else:
+            s, r = arrays.send, arrays.recv
+        lo, hi = case.shard
+        counts = [b - a for a, b in case.bounds]
+        uniform = len(set(counts)) == 1
+        S, R = [view(s), dt], [view(r), dt]
+        comm = self.mpi
+        everything = slice(None)
+        # down: the (buffer, slice) inputs a staged call copies to the host first; up: the output it
+        # copies back; result: the device/host array the check reads.
+        if c == "all_reduce":
+            def call() -> None:
+                comm.Allreduce(MPI.IN_PLACE if inplace else S, R, op)
+                if avg:
+                    np.divide(r, n, out=r)
+            down, up, result = ("recv" if inplace else "send", everything), ("recv", everything), arrays.recv
+        elif c == "reduce_scatter":
+            out = s[: hi - lo] if inplace else r
+            send, recv = (MPI.IN_PLACE, S) if inplace else (S, R)
+
+            def call() -> None:
+                if uniform:
+                    comm.Reduce_scatter_block(send, recv, op)
+                else:
+                    comm.Reduce_scatter(send, recv, counts, op)
+                if avg:
+                    np.divide(out, n, out=out)
+            down = ("send", everything)
+            up = ("send", slice(0, hi - lo)) if inplace else ("recv", everything)
+            result = arrays.send[: hi - lo] if inplace else arrays.recv
+        elif c == "all_gather":
+            target = R if uniform else [view(r), (counts, [a for a, _ in case.bounds]), dt]
+            gather = comm.Allgather if uniform else comm.Allgatherv
+
+            def call() -> None:
+                gather(MPI.IN_PLACE if inplace else S, target)
+            down = ("recv", slice(lo, hi)) if inplace else ("send", everything)
+            up, result = ("recv", everything), arrays.recv
+        elif c == "broadcast":
+            def call() -> None:
+                comm.Bcast(R, root)
+            down, up, result = ("recv", everything), ("recv", everything), arrays.recv
+        elif c == "reduce":
+            is_root = rank == root
+            if inplace:
+                send, recv = (MPI.IN_PLACE, R) if is_root else (R, None)
+            else:
+                send, recv = S, (R if is_root else None)
+
+            def call() -> None:
+                comm.Reduce(send, recv, op, root)
+                if avg and is_root:
+                    np.divide(r, n, out=r)
+            down = ("recv" if inplace else "send", everything)
+            up = ("recv", everything) if is_root else None
+            result = arrays.recv if (inplace or is_root) else arrays.send
+        else:
+            raise ValueError(c)
+
+        if not self.staged:
+            return Prepared(call, result, _no_sync if self.device == "host" else _device_sync)
+        pairs = {"send": (arrays.send, s), "recv": (arrays.recv, r)}
+        return Prepared(_staged(call, pairs, down, up), result, _device_sync)
+
+
+def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], down: tuple[str, slice],
+            up: tuple[str, slice] | None) -> Callable[[], None]:
+    """``call`` on host mirrors, between the device -> host copy of ``down`` and the host -> device
+    copy of ``up`` (``pairs`` maps a buffer name to its (device array, host mirror))."""
+    dev_in, host_in = (a[down[1]] for a in pairs[down[0]])
+    dev_out, host_out = (a[up[1]] for a in pairs[up[0]]) if up is not None else (None, None)
+
+    def run() -> None:
+        dev_in.get(out=host_in)
+        call()
+        if dev_out is not None:
+            dev_out.set(host_out)
+
+    return run
+
+
+def _device_sync() -> None:
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
+# --------------------------------------------------------------------------------------------- NCCL
+
+_NCCL_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
+               "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
+
+
+class NcclImpl:
+    """NCCL through CuPy's ``cupy.cuda.nccl`` on the same device buffers and stream as ringcomm."""
+
+    name = "nccl"
+
+    def __init__(self, nccl: Any, ncomm: Any, stream: Any, version: str) -> None:
+        self.nccl, self.ncomm, self.stream, self.version = nccl, ncomm, stream, version
+        self._v = tuple(int(x) for x in version.split(".")[:2])
+
+    @classmethod
+    def create(cls, comm: Any, cupy: Any, nccl: Any, stream: Any, shared_gpu: bool) -> tuple[NcclImpl | None, str]:
+        """Set NCCL up on every rank, or on none: (impl, "") or (None, why NCCL could not run).
+
+        Collective over ``comm``. When ranks share a GPU, NCCL_MULTI_RANK_GPU_ENABLE=1 is set first
+        (NCCL refuses such communicators otherwise).
+        """
+        from .env import all_true, nccl_version
+
+        if shared_gpu:
+            os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        uid = np.zeros(128, np.int64)
+        why = ""
+        if comm.rank == 0:
+            try:
+                uid[:] = nccl.get_unique_id()
+            except Exception as e:
+                why = f"ncclGetUniqueId failed: {e}"
+        comm.broadcast(uid, 0)
+        if not all_true(comm, uid.any()):
+            return None, why or "ncclGetUniqueId failed on rank 0"
+        ncomm = None
+        try:
+            ncomm = nccl.NcclCommunicator(comm.size, tuple(int(v) for v in uid), comm.rank)
+        except Exception as e:
+            why = f"ncclCommInitRank failed on rank {comm.rank}: {e}"
+        if not all_true(comm, ncomm is not None):
+            if ncomm is not None:
+                ncomm.destroy()
+            return None, why or "ncclCommInitRank failed on another rank"
+        return cls(nccl, ncomm, stream, nccl_version(nccl)), ""
+
+    def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
+        """One header line."""
+        return f"NCCL {self.version} through cupy.cuda.nccl (same buffers and stream as ringcomm)"
+
+    def close(self) -> None:
+        if self.ncomm is not None:
+            self.ncomm.destroy()
+            self.ncomm = None
+
+    def prepare(self, case: Case, arrays: Arrays, inplace: bool) -> Prepared | str:
+        dname = "bfloat16" if case.dtype == bfloat16 else case.dtype.name
+        if dname not in _NCCL_TYPES:
+            return f"NCCL has no {dname} type"
+        if (case.op is ReduceOp.AVG or dname == "bfloat16") and self._v < (2, 10):
+            return f"NCCL {self.version} has no {'avg' if case.op is ReduceOp.AVG else 'bfloat16'} (needs 2.10)"
+        dt = _NCCL_TYPES[dname]
+        op = _NCCL_OPS[case.op] if case.op is not None else 0
+        counts = {b - a for a, b in case.bounds}
+        if len(counts) > 1:
+            return "NCCL needs equal shards"
+        c, nc, st = case.collective, self.ncomm, self.stream.ptr
+        lo, hi = case.shard
+        item = case.dtype.itemsize
+        s, r = arrays.send.data.ptr, arrays.recv.data.ptr
+        if c == "all_reduce":
+            src = r if inplace else s
+            run = lambda: nc.allReduce(src, r, case.count, dt, op, st)  # noqa: E731
+        elif c == "reduce_scatter":
+            dst = s + lo * item if inplace else r
+            run = lambda: nc.reduceScatter(s, dst, hi - lo, dt, op, st)  # noqa: E731
+        elif c == "all_gather":
+            src = r + lo * item if inplace else s
+            run = lambda: nc.allGather(src, r, hi - lo, dt, st)  # noqa: E731
+        elif c == "broadcast":
+            src = r if inplace else s
+            run = lambda: nc.broadcast(src, r, case.count, dt, case.root, st)  # noqa: E731
+        elif c == "reduce":
+            src = r if inplace else s
+            run = lambda: nc.reduce(src, r, case.count, dt, op, case.root, st)  # noqa: E731
+        else:
+            raise ValueError(c)
+        return Prepared(run, result_view(case, arrays, inplace), self.stream.synchronize)
+
+
+def _version() -> str:
+    import ringcomm
+
+    return ringcomm.__version__
+
+
+def _mpi4py_version() -> str:
+    import mpi4py
+
+    return mpi4py.__version__

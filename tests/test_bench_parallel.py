@@ -1,0 +1,115 @@
+"""The benchmark driver run for real on the host path (one mpiexec launch per rank count).
+
+The driver's main(argv) runs in-process on every rank; rank 0's output is parsed like a person
+would read it: every table, every row checked (#wrong 0), then a run with planted corruption whose
+#wrong must count exactly what was planted and whose footer must say FAILED. The same launch also
+runs the measuring code on cases the driver's sweep never makes (unequal shards, bfloat16 on MPI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+from conftest import TEST_TIMEOUT
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm import schedule
+from ringcomm.bench.__main__ import main
+from ringcomm.bench.impls import MpiImpl, RingcommImpl
+from ringcomm.bench.report import parse_tables
+from ringcomm.bench.runner import Runner, Settings
+from ringcomm.ops import ReduceOp
+
+PLANTED = 3
+SWEEP = ["-b", "256", "-e", "16K", "-f", "8", "-n", "2", "-w", "1", "--device", "host", "--impl", "ringcomm,mpi",
+         "--timeout", "60"]
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
+def _check_paths_the_sweep_does_not_take() -> None:
+    """Unequal shards (MPI_Reduce_scatter and MPI_Allgatherv; the driver rounds counts so shards are
+    equal) and bfloat16 through the MPI user op, measured and checked by the same Runner."""
+    comm = ringcomm.init(timeout=TEST_TIMEOUT)
+    mpi = MpiImpl(comm, "host", cuda_aware=False)
+    runner = Runner(comm, [RingcommImpl(comm), mpi], Settings(iters=2, warmup=1))
+    try:
+        count = 16 * comm.size + 16
+        cases = [runner.case("reduce_scatter", count, np.float32, ReduceOp.SUM, 0),
+                 runner.case("all_gather", count, np.int32, None, 0),
+                 runner.case("all_reduce", 1000, ringcomm.bfloat16, ReduceOp.MAX, 0),
+                 runner.case("reduce", 1000, ringcomm.bfloat16, ReduceOp.AVG, comm.size - 1)]
+        assert len({hi - lo for lo, hi in cases[0].bounds}) > 1
+        for case in cases:
+            for row in runner.run(case):
+                assert [r.wrong for r in row.results.values()] == [0, 0], (case, row)
+    finally:
+        runner.close()
+        mpi.close()
+
+
+def _measured(group: dict) -> bool:
+    return group["time"] is not None
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGCOMM_TIMEOUT", str(TEST_TIMEOUT))  # a failure ends in seconds, not minutes
+    comm = MPI.COMM_WORLD
+    nranks = comm.size
+    path = tmp_path / "bench.json"
+
+    rc, text = _run(["-c", "all", *SWEEP, "--json", str(path)])
+    assert rc == 0
+    rc_bad, bad = _run(["-c", "all", *SWEEP, "--corrupt-for-tests", str(PLANTED)])
+    assert rc_bad == 1
+    _check_paths_the_sweep_does_not_take()
+    if comm.rank != 0:
+        assert text == bad == ""  # only rank 0 prints
+        return
+
+    tables = parse_tables(text)
+    assert len(tables) == len(schedule.COLLECTIVES)
+    for table in tables:
+        assert table.status == "OK" and table.wrong == 0 and table.avg_busbw is not None
+        assert {r["impl"] for r in table.rows} == {"ringcomm", "mpi"}
+        assert len({r["size"] for r in table.rows}) >= 2
+        for row in table.rows:
+            for mode in ("out-of-place", "in-place"):
+                g = row[mode]
+                if _measured(g):
+                    assert g["#wrong"] == 0 and g["time"] > 0 and g["busbw"] >= 0
+                    if row["impl"] == "mpi":
+                        assert g["ratio"] is not None and g["ratio"] >= 0  # its value depends on the load
+    broadcast = tables[schedule.COLLECTIVES.index("broadcast")]
+    assert all(not _measured(r["out-of-place"]) and _measured(r["in-place"]) for r in broadcast.rows)
+    doc = json.loads(path.read_text())
+    assert doc["environment"]["ranks"] == nranks
+    assert len(doc["rows"]) == sum(len(t.rows) for t in tables)
+
+    planted_total = 0
+    for table in parse_tables(bad):
+        assert table.status == "FAILED"
+        measured = 0
+        for row in table.rows:
+            for mode in ("out-of-place", "in-place"):
+                g = row[mode]
+                if not _measured(g):
+                    continue
+                # every rank's result has at least PLANTED elements at these sizes
+                expected = PLANTED * nranks if row["impl"] == "ringcomm" else 0
+                assert g["#wrong"] == expected, (row, mode)
+                measured += expected
+        assert table.wrong == measured > 0
+        planted_total += measured
+    assert planted_total > 0
