@@ -38,13 +38,12 @@ def flat(a: Any, name: str) -> Any:
             f"{name}: the array of shape {a.shape} with strides {a.strides} is not C-contiguous; "
             "collectives act on the flat buffer: pass a contiguous array (e.g. numpy.ascontiguousarray(x))"
         )
-    return a.reshape(-1)
+    return a if a.ndim == 1 else a.reshape(-1)
 
 
 def writable(a: Any, name: str) -> None:
     """TypeError when ``a`` (numpy) is read-only; device arrays are always writable."""
-    flags = getattr(a, "flags", None)
-    if flags is not None and hasattr(flags, "writeable") and not flags.writeable:
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
         raise TypeError(f"{name}: the array is read-only but this collective writes into it")
 
 

@@ -64,7 +64,8 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
-        blocks = comm._scratch_array(kind, device, n * count, src.dtype)
+        blocks = comm._scratch_array(kind + "/small", device, n * count, src.dtype)
+        ctx.stable = True  # blocks is the communicator's small scratch: same place every call
         device.copy(blocks[r * count : (r + 1) * count], src)
         whole = schedule.blocks(count, n)
         comm._run(ctx, kind, count, schedule.all_gather(n, r), whole, blocks, blocks, algorithm="gather-fold")

@@ -160,7 +160,7 @@ class Communicator:
         return self._host if kind == "host" else devices.get(kind, stream)
 
     def _scratch_array(self, kind: str, device: Any, count: int, dtype: np.dtype) -> Any:
-        """A scratch array of ``count`` elements, reusing (and growing) one buffer per device kind."""
+        """A scratch array of ``count`` elements, reusing (and growing) one buffer per ``kind`` key."""
         need = count * np.dtype(dtype).itemsize
         buf = self._scratch.get(kind)
         if buf is None or buf.size < need:

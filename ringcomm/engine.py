@@ -24,7 +24,7 @@ from .schedule import Bounds, Step
 class Context:
     """What one collective call's transports need to know: names for errors, the deadline."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "deadline")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "deadline", "stable")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -34,6 +34,9 @@ class Context:
         self.op = op
         #: time.monotonic() after which every wait raises ringcomm.TimeoutError
         self.deadline = time.monotonic() + comm.timeout
+        #: every buffer the steps touch is the communicator's own, at the same place on every call
+        #: (a transport may then keep per-buffer state, e.g. persistent MPI requests)
+        self.stable = False
 
 
 def execute(
@@ -97,13 +100,14 @@ def fold(ctx: Context, blocks: Any, count: int, bounds: Bounds, work: Any) -> No
     last, as reduce-scatter does), so the result is bitwise the one the ring schedule gives, and
     identical on every rank.
     """
-    n, op, device = ctx.comm.size, ctx.op or ReduceOp.SUM, ctx.device
+    n, op, reduce = ctx.comm.size, ctx.op or ReduceOp.SUM, ctx.device.reduce
     for c, (lo, hi) in enumerate(bounds):
         if hi == lo:
             continue
-        acc = blocks[((c + 1) % n) * count + lo : ((c + 1) % n) * count + hi]
+        dst = work[lo:hi]
+        first = (c + 1) % n * count
+        acc = blocks[first + lo : first + hi]
         for k in range(2, n + 1):
-            j = (c + k) % n
-            div = n if k == n and op is ReduceOp.AVG else 1
-            device.reduce(work[lo:hi], blocks[j * count + lo : j * count + hi], acc, op, div)
-            acc = work[lo:hi]
+            j = (c + k) % n * count
+            reduce(dst, blocks[j + lo : j + hi], acc, op, n if k == n and op is ReduceOp.AVG else 1)
+            acc = dst
