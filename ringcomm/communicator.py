@@ -22,6 +22,7 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_SLICE_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 4096
 
+_CLOSED = "closed by Communicator.close()"
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
 _OPS = (None,) + tuple(ReduceOp)
 
@@ -146,6 +147,27 @@ class Communicator:
     def transport_name(self, array: Any) -> str:
         """The name of the transport a collective on ``array`` would use ("mpi", "ipc", ...)."""
         return self._transport(collectives.classify(array, "array")[0]).name
+
+    def close(self) -> None:
+        """Free the communicator's MPI resources (collective, like MPI_Comm_free); later calls raise.
+
+        Also available as a context manager: ``with ringcomm.init() as comm: ...``.
+        """
+        if self._aborted == _CLOSED:
+            return
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+        self._scratch.clear()
+        self.node_comm.Free()
+        self.mpi.Free()
+        self._aborted = _CLOSED
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"<ringcomm.Communicator rank {self.rank} of {self.size}, timeout {self.timeout:g} s>"

@@ -140,3 +140,11 @@ def test_single_rank_results(comm):
     assert comm.reduce(x, out=np.empty_like(x)).tobytes() == x.tobytes()
     assert comm.broadcast(x.copy()).tobytes() == x.tobytes()
     comm.barrier()
+
+
+def test_close_and_context_manager():
+    with make_comm() as c:
+        assert (c.all_reduce(np.ones(3)) == 1).all()
+    with pytest.raises(ringcomm.RingcommError, match="closed by Communicator.close"):
+        c.all_reduce(np.ones(3))
+    c.close()  # a second close does nothing

@@ -2,7 +2,7 @@
 
 Protocol (used by :func:`ringcomm.engine.execute`): ``begin(ctx, work, src, bounds)``,
 ``post(step, send, recv_count, recv_into)``, ``recv(step)`` yielding ``(lo, hi, incoming)`` pieces,
-``step_done(step)``, ``end()``, ``abort()``. See transports/mpi.py for the reference one.
+``step_done(step)``, ``end()``, ``abort()``, ``close()``. See transports/mpi.py for the reference one.
 """
 
 from __future__ import annotations

@@ -101,6 +101,10 @@ class MpiTransport:
     def end(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Free the persistent requests (the communicator is being freed)."""
+        self._free_persistent()
+
     def abort(self) -> None:
         cancel(self._sends + [req for *_, req in self._recvs])
         self._sends, self._recvs = [], []
