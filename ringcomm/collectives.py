@@ -124,7 +124,8 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     root = _root(comm, root)
     kind, buf, device = _input(comm, x, "x", None, stream)
-    writable(buf, "x (broadcast writes root's data into x)")
+    if comm.rank != root:  # the root's x is only read
+        writable(buf, "x (broadcast writes root's data into x)")
     n = comm.size
     nchunks = schedule.chain_chunks(n, buf.size, buf.itemsize, comm.slice_bytes)
     ctx = Context("broadcast", comm, device, buf.dtype, None)

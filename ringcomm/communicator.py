@@ -51,7 +51,8 @@ class Communicator:
     Rank r sends to ``right`` = (r + 1) % size and receives from ``left`` = (r - 1) % size. The
     wrapped communicator is duplicated, so ringcomm's messages never mix with the caller's.
 
-    ``timeout``: seconds any wait may last before :class:`ringcomm.TimeoutError` (env
+    ``timeout``: seconds any one wait (for a neighbour's message, an agreement, a barrier, or the
+    communicator's own creation) may last before :class:`ringcomm.TimeoutError` (env
     ``RINGCOMM_TIMEOUT`` overrides). ``check``: before each collective, all ranks verify that they
     agree on its kind, count, dtype, op, root and call number, raising :class:`ringcomm.MismatchError`
     on every rank when they do not (env ``RINGCOMM_CHECK``). ``slice_bytes``: the MPI message size a
@@ -75,9 +76,15 @@ class Communicator:
             raise ValueError(f"timeout must be > 0 seconds; got {self.timeout}")
         if self.slice_bytes < 1 or self.small_bytes < 0:
             raise ValueError(f"need slice_bytes >= 1 and small_bytes >= 0; got {self.slice_bytes}, {self.small_bytes}")
-        self.mpi: MPI.Intracomm = mpi_comm.Dup()
-        self.rank: int = self.mpi.rank
-        self.size: int = self.mpi.size
+        self.rank: int = mpi_comm.rank
+        self.size: int = mpi_comm.size
+        self._host = devices.HostDevice()
+        # MPI_Comm_idup under the deadline: a peer that never creates its Communicator raises here
+        # instead of hanging; once every peer is known to be present, the node split follows.
+        setup = Context("Communicator()", self, self._host, np.dtype(np.uint8), None)
+        dup, request = mpi_comm.Idup()
+        wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
+        self.mpi: MPI.Intracomm = dup
         self.left = (self.rank - 1) % self.size
         self.right = (self.rank + 1) % self.size
         #: the ranks that share this rank's node (MPI's shared-memory split), for transport choice
@@ -89,7 +96,6 @@ class Communicator:
         self._aborted: str | None = None
         self._transports: dict[str, Any] = {}
         self._scratch: dict[str, Any] = {}
-        self._host = devices.HostDevice()
 
     # ------------------------------------------------------------------ the collectives
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
@@ -132,6 +138,8 @@ class Communicator:
         """Wait until every rank has called barrier (with the communicator's deadline)."""
         self._usable()
         ctx = Context("barrier", self, self._host, np.dtype(np.uint8), None)
+        if self.check:
+            self._guarded(lambda: self._agree(ctx, "barrier", 0, -1))
         self._guarded(lambda: wait([self.mpi.Ibarrier()], ctx, None, self.left, "barrier"))
 
     def shard_bounds(self, count: int) -> Bounds:

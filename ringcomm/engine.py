@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .ops import ReduceOp
-from .schedule import Bounds, Step
+from .schedule import Bounds, Step, fold_order
 
 
 class Context:
@@ -96,18 +96,16 @@ def execute(
 def fold(ctx: Context, blocks: Any, count: int, bounds: Bounds, work: Any) -> None:
     """Reduce the N gathered blocks ``blocks[i*count:(i+1)*count]`` into ``work`` chunk by chunk.
 
-    Each chunk c of ``bounds`` is combined in the ring's order (rank c+1's data first, rank c's
-    last, as reduce-scatter does), so the result is bitwise the one the ring schedule gives, and
-    identical on every rank.
+    Each chunk c of ``bounds`` is combined in :func:`ringcomm.schedule.fold_order` (the order in
+    which reduce-scatter combines it), so the result is bitwise the ring schedule's, on every rank.
     """
     n, op, reduce = ctx.comm.size, ctx.op or ReduceOp.SUM, ctx.device.reduce
     for c, (lo, hi) in enumerate(bounds):
         if hi == lo:
             continue
         dst = work[lo:hi]
-        first = (c + 1) % n * count
-        acc = blocks[first + lo : first + hi]
-        for k in range(2, n + 1):
-            j = (c + k) % n * count
-            reduce(dst, blocks[j + lo : j + hi], acc, op, n if k == n and op is ReduceOp.AVG else 1)
+        first, *rest = fold_order(n, c)
+        acc = blocks[first * count + lo : first * count + hi]
+        for k, j in enumerate(rest, 2):
+            reduce(dst, blocks[j * count + lo : j * count + hi], acc, op, n if k == n and op is ReduceOp.AVG else 1)
             acc = dst

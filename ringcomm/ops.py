@@ -31,6 +31,12 @@ class ReduceOp(str, enum.Enum):
         return self.value
 
 
+#: the numpy ufunc that combines two arrays for each op (AVG adds; the division comes last)
+UFUNCS = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+}
+
 _BY_NAME = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _INTS = frozenset(INT_DTYPES)

@@ -25,9 +25,11 @@ import argparse
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from .ops import UFUNCS, ReduceOp
 
 #: Chunk boundaries fall on multiples of this many elements (16 elements is 16-byte aligned for every
 #: dtype, so GPU kernels can use vector loads on every chunk of an aligned buffer).
@@ -113,7 +115,7 @@ def broadcast(n: int, rank: int, root: int, nchunks: int) -> tuple[Step, ...]:
         recv = t - d + 1 if d >= 1 and 0 <= t - d + 1 < nchunks else None
         send = t - d if d <= n - 2 and 0 <= t - d < nchunks else None
         steps.append(Step(t, "broadcast", send, recv))
-    return steps
+    return tuple(steps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,7 +128,16 @@ def reduce(n: int, rank: int, root: int, nchunks: int) -> tuple[Step, ...]:
         recv = t - p + 1 if p >= 1 and 0 <= t - p + 1 < nchunks else None
         send = t - p if p <= n - 2 and 0 <= t - p < nchunks else None
         steps.append(Step(t, "reduce", send, recv, reduce=True, final=p == n - 1))
-    return steps
+    return tuple(steps)
+
+
+@functools.lru_cache(maxsize=256)
+def fold_order(n: int, chunk: int) -> tuple[int, ...]:
+    """The ranks whose data reduce-scatter combines into ``chunk``, in order: chunk+1 first, chunk last.
+
+    Folding gathered copies in this order gives bitwise the ring's result (see engine.fold).
+    """
+    return tuple((chunk + k) % n for k in range(1, n + 1))
 
 
 def chain_chunks(n: int, count: int, itemsize: int, piece_bytes: int) -> int:
@@ -143,11 +154,6 @@ def _check(n: int, rank: int, root: int = 0) -> None:
 # --------------------------------------------------------------------------------------------------
 # Simulator: runs a schedule for N virtual ranks in one process, on numpy arrays, step by step, with
 # every rank's sends of a step taken before any rank writes (what the transports guarantee).
-
-_SIM_OPS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add,
-}
-
 
 def simulate(
     schedules: Sequence[Sequence[Step]],
@@ -180,7 +186,7 @@ def simulate(
             assert chunk == st.recv, f"step {k}: rank {r} expects chunk {st.recv}, its left sends {chunk}"
             lo, hi = bounds[chunk]
             if st.reduce:
-                work[r][lo:hi] = _SIM_OPS[op](work[r][lo:hi], data)
+                work[r][lo:hi] = UFUNCS[ReduceOp(op)](work[r][lo:hi], data)
                 if st.final and op == "avg":
                     work[r][lo:hi] = work[r][lo:hi] / n
             else:

@@ -88,3 +88,19 @@ def test_missing_peer_times_out_with_names():
         with pytest.raises(ringcomm.TimeoutError, match="barrier: rank"):
             plain.barrier()
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_barrier_is_checked_and_a_missing_peer_at_creation_times_out():
+    comm = make_comm(check=True)
+    if comm.rank == 0:
+        call = comm.barrier
+    else:
+        def call():
+            comm.all_reduce(np.ones(4))
+    expect_mismatch(comm, call, r"ranks disagree on the collective \(rank 0: barrier, rank 1: all_reduce")
+    comm.barrier()
+    if comm.rank == 0:
+        with pytest.raises(ringcomm.TimeoutError, match=r"Communicator\(\): rank 0 waited 0.5 s.*duplicating"):
+            ringcomm.Communicator(MPI.COMM_WORLD, timeout=0.5)
+    MPI.COMM_WORLD.Barrier()

@@ -115,3 +115,13 @@ def test_printed_table(capsys):
     assert "chunk 4: [96, 100)  4 elements" in text
     with pytest.raises(SystemExit):
         schedule.main(["--ranks", "3", "--root", "3", "--collective", "broadcast"])
+
+
+@given(ranks)
+def test_fold_order_is_the_order_reduce_scatter_combines_each_chunk(n):
+    for c in range(n):
+        order = schedule.fold_order(n, c)
+        steps = [schedule.reduce_scatter(n, r) for r in range(n)]
+        first = [r for r in range(n) if steps[r] and steps[r][0].send == c]
+        reducers = [r for s in range(n - 1) for r in range(n) if steps[r][s].recv == c]
+        assert list(order) == first + reducers if n > 1 else order == (0,)

@@ -12,7 +12,10 @@ from .host import HostDevice
 
 
 def get(kind: str, stream: Any = None):
-    """The device for arrays of ``kind`` ("host" or "cuda"); ``stream`` applies to cuda only."""
+    """A device for arrays of ``kind`` ("host" or "cuda"; ``stream`` applies to cuda only).
+
+    The Communicator keeps one HostDevice for host arrays; a CudaDevice is made per call for its stream.
+    """
     if kind == "host":
         return HostDevice()
     if kind == "cuda":

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import HALF_DTYPES, ReduceOp
-
-_UFUNCS = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-}
+from ..ops import HALF_DTYPES, UFUNCS, ReduceOp
 
 
 class HostDevice:
@@ -29,12 +21,11 @@ class HostDevice:
 
         Half types are combined in float32 and rounded once (so the AVG division is fused).
         """
-        ufunc = _UFUNCS[op]
+        ufunc = UFUNCS[op]
         if div != 1 and dst.dtype in HALF_DTYPES:
             tmp = self._scratch(dst.size)
             ufunc(a, b, out=tmp, dtype=np.float32)
-            if div != 1:
-                np.divide(tmp, div, out=tmp)
+            np.divide(tmp, div, out=tmp)
             dst[...] = tmp
             return
         ufunc(a, b, out=dst)

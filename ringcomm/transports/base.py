@@ -1,36 +1,55 @@
-"""What every transport shares: the deadline wait on MPI requests, and byte views of arrays."""
+"""What every transport shares: the deadline wait, and byte views of arrays."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpi4py import MPI
 
 from ..errors import TimeoutError
 
-#: Spins of MPI_Testall before the wait starts yielding the CPU (ranks may outnumber cores).
+#: Polls before a wait starts yielding the CPU (ranks may outnumber cores).
 _SPINS = 50
 
 
-def wait(requests: Sequence[MPI.Request], ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
-    """Complete ``requests`` or raise :class:`ringcomm.TimeoutError` at ``ctx.deadline``.
+def wait_until(done: Callable[[], bool], ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
+    """Poll ``done()`` until it is true, or raise :class:`ringcomm.TimeoutError` after ``ctx.comm.timeout`` s.
 
-    Polls MPI_Testall (which also drives MPI's progress engine), spinning briefly and then yielding
-    the processor between polls so that oversubscribed ranks still make progress. On expiry the
-    requests are cancelled and the error names the collective, the step, this rank and ``peer``;
-    ``what % args`` says what was awaited (formatted only then).
+    Spins briefly, then yields the processor between polls (``os.sched_yield``, not
+    ``time.sleep(0)``, which pays the kernel's timer slack of ~50 us) so that oversubscribed ranks
+    still make progress and no kernel or peer is starved. Every wait gets the whole timeout. The
+    error names the collective, the step, this rank and ``peer``; ``what % args`` says what was
+    awaited (formatted only then).
     """
     spins = 0
-    while not MPI.Request.Testall(requests):
+    deadline = None
+    while not done():
         spins += 1
         if spins > _SPINS:
-            os.sched_yield()  # not time.sleep(0): that pays the kernel's timer slack (~50 us)
-            if spins & 255 == 0 and time.monotonic() > ctx.deadline:
-                cancel(requests)
-                raise TimeoutError(ctx.collective, step, ctx.comm.rank, peer, ctx.comm.timeout, what % args)
+            os.sched_yield()
+            if spins & 255 == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + ctx.comm.timeout
+                elif now > deadline:
+                    raise TimeoutError(ctx.collective, step, ctx.comm.rank, peer, ctx.comm.timeout, what % args)
+
+
+def wait(requests: Sequence[MPI.Request], ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
+    """Complete the MPI ``requests`` (MPI_Testall also drives MPI's progress) within the timeout.
+
+    On a timeout the requests are cancelled before :class:`ringcomm.TimeoutError` propagates.
+    """
+    if MPI.Request.Testall(requests):
+        return
+    try:
+        wait_until(lambda: MPI.Request.Testall(requests), ctx, step, peer, what, *args)
+    except TimeoutError:
+        cancel(requests)
+        raise
 
 
 def cancel(requests: Sequence[MPI.Request]) -> None:

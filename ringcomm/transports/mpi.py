@@ -25,7 +25,7 @@ from mpi4py import MPI
 from .base import as_bytes, cancel, wait
 
 TAG = 17
-#: persistent requests kept at most (all are freed when the cache is full)
+#: persistent requests kept (when more, all are freed before the next collective)
 PERSISTENT_LIMIT = 256
 
 
@@ -42,6 +42,8 @@ class MpiTransport:
     def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
         self.ctx, self.device = ctx, ctx.device
         self._stable = ctx.stable and self.device.name == "host"
+        if len(self._persistent) >= PERSISTENT_LIMIT:  # only between collectives: none is active now
+            self._free_persistent()
         self._per_slice = max(1, self.slice_bytes // work.itemsize)
         need = max((hi - lo for lo, hi in bounds), default=0) * work.itemsize
         if self._scratch is None or self._scratch.size < need:
@@ -74,8 +76,6 @@ class MpiTransport:
         key = (MPI.buffer(buf).address, buf.nbytes, peer, send)
         req = self._persistent.get(key)
         if req is None:
-            if len(self._persistent) >= PERSISTENT_LIMIT:
-                self._free_persistent()
             req = (mpi.Send_init if send else mpi.Recv_init)(as_bytes(buf), peer, TAG)
             self._persistent[key] = req
         req.Start()
@@ -108,4 +108,4 @@ class MpiTransport:
     def abort(self) -> None:
         cancel(self._sends + [req for *_, req in self._recvs])
         self._sends, self._recvs = [], []
-        self._persistent.clear()  # cancelled ones cannot be restarted; the communicator is aborted
+        self._free_persistent()  # cancelled ones cannot be restarted; the communicator is aborted
