@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives, devices, transports
+from .config import env, flag
 from .engine import Context, execute
 from .errors import MismatchError, RingcommError
 from .ops import SUPPORTED_DTYPES, ReduceOp
@@ -25,24 +25,6 @@ DEFAULT_SMALL_BYTES = 4096
 _CLOSED = "closed by Communicator.close()"
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
 _OPS = (None,) + tuple(ReduceOp)
-
-
-def _env(name: str, convert: Any, default: Any) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return convert(raw)
-    except ValueError as e:
-        raise ValueError(f"{name}={raw!r} is not valid: {e}") from None
-
-
-def _flag(raw: str) -> bool:
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected 0 or 1")
 
 
 class Communicator:
@@ -67,10 +49,10 @@ class Communicator:
     ) -> None:
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator needs an mpi4py intracommunicator; got {mpi_comm!r}")
-        self.timeout = float(_env("RINGCOMM_TIMEOUT", float, timeout))
-        self.check = bool(_env("RINGCOMM_CHECK", _flag, check))
-        self.slice_bytes = int(_env("RINGCOMM_SLICE_BYTES", int, slice_bytes))
-        self.small_bytes = int(_env("RINGCOMM_SMALL_BYTES", int, small_bytes))
+        self.timeout = float(env("RINGCOMM_TIMEOUT", float, timeout))
+        self.check = bool(env("RINGCOMM_CHECK", flag, check))
+        self.slice_bytes = int(env("RINGCOMM_SLICE_BYTES", int, slice_bytes))
+        self.small_bytes = int(env("RINGCOMM_SMALL_BYTES", int, small_bytes))
         transports.override()  # an unknown RINGCOMM_TRANSPORT fails here, not inside a collective
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds; got {self.timeout}")

@@ -11,7 +11,6 @@ collective, from ``src`` before that, so an out-of-place collective needs no ini
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -22,9 +21,9 @@ from .schedule import Bounds, Step, fold_order
 
 
 class Context:
-    """What one collective call's transports need to know: names for errors, the deadline."""
+    """What one collective call's transports need to know: names for errors, dtype, op, device."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "deadline", "stable")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "stable")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -32,8 +31,6 @@ class Context:
         self.device = device  # reduces and copies (ringcomm.devices)
         self.dtype = dtype
         self.op = op
-        #: time.monotonic() after which every wait raises ringcomm.TimeoutError
-        self.deadline = time.monotonic() + comm.timeout
         #: every buffer the steps touch is the communicator's own, at the same place on every call
         #: (a transport may then keep per-buffer state, e.g. persistent MPI requests)
         self.stable = False

@@ -54,7 +54,10 @@ def test_environment_overrides(monkeypatch):
 
 
 def test_cuda_aware_probe(monkeypatch):
-    # this machine's MPI (MPICH from PyPI, or none) answers the query, and says no GPU support
+    # without the variable the library's own answer (a bool, whatever this MPI is); with it, the variable
+    assert staged.cuda_aware_mpi() is staged._query_library()
+    assert isinstance(staged._query_library(), bool)
+    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "0")
     assert staged.cuda_aware_mpi() is False
     monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "yes")
     assert staged.cuda_aware_mpi() is True

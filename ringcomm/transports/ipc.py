@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .base import cancel, wait
-from .staged import StagedTransport, wait_event
+from .staged import EventPool, StagedTransport, wait_event
 
 log = logging.getLogger("ringcomm")
 
@@ -117,7 +117,7 @@ class IpcTransport:
         self._desc_in = np.zeros((3, _DESC), np.int64)
         self._flag_out = np.zeros(1, np.int32)
         self._flag_in = np.zeros(1, np.int32)
-        self._events: list = []
+        self._events = EventPool()
         self._active = False
         self._clear()
 
@@ -127,7 +127,7 @@ class IpcTransport:
         self._reading = False  # this step read from the left: send "read done" at step_done
         self._done_pending: list = []  # (step index, request) "read done" expected from the right
         self._sends: list = []  # Isend requests of "ready" and "read done" messages
-        self._nevents = 0
+        self._events.reset()
 
     # ------------------------------------------------------------------ set-up
     def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
@@ -250,13 +250,6 @@ class IpcTransport:
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
 
-    def _event(self) -> Any:
-        if self._nevents == len(self._events):
-            self._events.append(self._cupy.cuda.Event(block=False, disable_timing=True))
-        ev = self._events[self._nevents]
-        self._nevents += 1
-        return ev
-
     def _row(self, table: np.ndarray) -> np.ndarray:
         if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
             raise RuntimeError(f"ipc transport: step {self._seq} exceeds its {table.shape[0]} message slots")
@@ -278,7 +271,7 @@ class IpcTransport:
             if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
                 self._wait_done_before(step)
                 self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
-            ev = self._event()
+            ev = self._events.take()
             ev.record(self.stream)  # after the kernels that produced this chunk (and the scratch copy)
             wait_event(ev, ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
             out = self._row(self._ready_out)
@@ -332,14 +325,14 @@ class IpcTransport:
         if not self._active:
             return None
         if self._reading:  # the kernel reading the left's memory must be complete before "read done"
-            ev = self._event()
+            ev = self._events.take()
             ev.record(self.stream)
             wait_event(ev, self.ctx, step.index, self.comm.left, "this rank's kernel reading chunk %s", step.recv)
             out = self._done_out[self._seq - 1]
             out[0] = step.index
             self._sends.append(self.comm.mpi.Isend(out, self.comm.left, TAG_DONE))
             self._reading = False
-        self._nevents = 0  # every event used so far has completed
+        self._events.reset()  # every event used so far has completed
         return None
 
     def end(self) -> None:
@@ -353,6 +346,15 @@ class IpcTransport:
         self._clear()
         self._work = self._src = None
         return None
+
+    def close(self) -> None:
+        """Drop this transport's scratch and the fallback's buffers (the communicator is being freed).
+
+        The process-wide cache of opened peer mappings stays: other communicators may use them.
+        """
+        if self.fallback is not None:
+            self.fallback.close()
+        self._scratch_old.clear()
 
     def abort(self) -> None:
         if self.fallback is not None:

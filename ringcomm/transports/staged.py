@@ -10,7 +10,7 @@ steps between two neighbours, as in the MPI transport. A slice is sent only afte
 copy completed (an event), and that copy starts only after the work that produced the chunk (an
 event recorded on the collective's stream). Before a step ends its sends are complete (the pinned
 send buffer is reused) and its host-to-device copies are complete (the pinned receive buffer is
-reused). Every wait has the collective's deadline.
+reused). Every wait has the communicator's timeout.
 
 Also here: :func:`cuda_aware_mpi`, the probe that says whether MPI accepts device buffers.
 """
@@ -19,21 +19,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import TimeoutError
-from .base import cancel, wait
+from ..config import env, flag
+from .base import cancel, wait, wait_until
 from .mpi import TAG
 
 #: Slices of a staged chunk are at least this large (fewer, larger host copies and messages).
 MIN_SLICE_BYTES = 4 << 20
-
-_SPINS = 50
 
 
 def slices(count: int, per_slice: int) -> list[tuple[int, int]]:
@@ -42,27 +38,28 @@ def slices(count: int, per_slice: int) -> list[tuple[int, int]]:
 
 
 def wait_event(event: Any, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
-    """Block until the CUDA ``event`` has completed, or raise :class:`ringcomm.TimeoutError` at the deadline.
-
-    Polls ``cudaEventQuery`` (spinning briefly, then yielding the processor between polls), so the
-    wait honours ``ctx.deadline`` as :func:`ringcomm.transports.base.wait` does for MPI requests;
-    ``what % args`` says what was awaited (formatted only on expiry).
-    """
-    spins = 0
-    while not event.done:
-        spins += 1
-        if spins > _SPINS:
-            os.sched_yield()
-            if spins & 255 == 0 and time.monotonic() > ctx.deadline:
-                raise TimeoutError(ctx.collective, step, ctx.comm.rank, peer, ctx.comm.timeout, what % args)
+    """Block until the CUDA ``event`` has completed (polling cudaEventQuery), within the timeout."""
+    wait_until(lambda: event.done, ctx, step, peer, what, *args)
 
 
-def _flag(raw: str) -> bool:
-    if raw.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"RINGCOMM_CUDA_AWARE_MPI={raw!r} is not valid: expected 0 or 1")
+class EventPool:
+    """Reusable CUDA events (timing disabled), handed out in order; ``reset()`` recycles them all
+    once every event taken since the last reset has completed."""
+
+    def __init__(self) -> None:
+        self._events: list = []
+        self._used = 0
+
+    def take(self) -> Any:
+        if self._used == len(self._events):
+            import cupy
+
+            self._events.append(cupy.cuda.Event(block=False, disable_timing=True))
+        self._used += 1
+        return self._events[self._used - 1]
+
+    def reset(self) -> None:
+        self._used = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,10 +84,8 @@ def cuda_aware_mpi() -> bool:
     mpi4py is linked to (Open MPI and MPICH 4+ provide the query; MPICH answers true only when its
     GPU support is enabled at run time); a library without the query counts as not CUDA-aware.
     """
-    raw = os.environ.get("RINGCOMM_CUDA_AWARE_MPI", "")
-    if raw.strip():
-        return _flag(raw)
-    return _query_library()
+    override = env("RINGCOMM_CUDA_AWARE_MPI", flag, None)
+    return _query_library() if override is None else override
 
 
 class StagedTransport:
@@ -105,7 +100,7 @@ class StagedTransport:
         self._pinned: list = []  # the pinned allocations behind them (kept alive)
         self._dev_recv = None  # device uint8 scratch for reduce steps
         self._copy_stream = None  # device-to-host copies
-        self._events: list = []  # reusable CUDA events (disable_timing)
+        self._events = EventPool()
         self._reset()
 
     # ------------------------------------------------------------------ helpers
@@ -114,14 +109,7 @@ class StagedTransport:
         self._pending: list = []  # (lo, hi, event): device-to-host copies not yet sent
         self._sends: list = []
         self._h2d = None  # event after the step's last host-to-device copy
-        self._nevents = 0
-
-    def _event(self) -> Any:
-        if self._nevents == len(self._events):
-            self._events.append(self._cupy.cuda.Event(block=False, disable_timing=True))
-        ev = self._events[self._nevents]
-        self._nevents += 1
-        return ev
+        self._events.reset()
 
     def _pinned_array(self, nbytes: int) -> np.ndarray:
         mem = self._cupy.cuda.alloc_pinned_memory(nbytes)
@@ -163,14 +151,14 @@ class StagedTransport:
         if send is not None and send.size:
             from ..devices.cuda import pointer
 
-            ready = self._event()
+            ready = self._events.take()
             ready.record(self.stream)  # the chunk's producers, queued before this step
             self._copy_stream.wait_event(ready)
             base, host = pointer(send), self._host_send.ctypes.data
             d2h = getattr(self._rt, "memcpyDeviceToHost", 2)
             for lo, hi in slices(send.size, self._per_slice):
                 self._rt.memcpyAsync(host + lo * it, base + lo * it, (hi - lo) * it, d2h, self._copy_stream.ptr)
-                ev = self._event()
+                ev = self._events.take()
                 ev.record(self._copy_stream)
                 self._pending.append((lo, hi, ev))
 
@@ -205,7 +193,7 @@ class StagedTransport:
             else:
                 yield lo, hi, None
         if self._recvs:
-            self._h2d = self._event()
+            self._h2d = self._events.take()
             self._h2d.record(self.stream)
 
     def step_done(self, step: Any) -> None:
@@ -217,6 +205,12 @@ class StagedTransport:
 
     def end(self) -> None:
         self._reset()
+
+    def close(self) -> None:
+        """Drop the pinned and device buffers (the communicator is being freed)."""
+        self._reset()
+        self._host_send = self._host_recv = self._dev_recv = None
+        self._pinned.clear()
 
     def abort(self) -> None:
         cancel(self._sends + [req for *_, req in self._recvs])
