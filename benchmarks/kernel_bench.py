@@ -54,6 +54,7 @@ def run(sizes_mib: list[int], dtypes: list[str], iters: int) -> list[dict]:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     print(f"# device {dev_id}: {name}, {cuda.sm_count(dev_id)} SMs; CuPy {cp.__version__}", flush=True)
     stream = cp.cuda.get_current_stream()
+    d2d = getattr(cp.cuda.runtime, "memcpyDeviceToDevice", 3)  # cudaMemcpyDeviceToDevice
     rows = []
     for mib in sizes_mib:
         nbytes = mib << 20
@@ -87,8 +88,7 @@ def run(sizes_mib: list[int], dtypes: list[str], iters: int) -> list[dict]:
                 ck((cgrid,), (cuda.BLOCK,), (pc, pa, np.uint64(nbytes)), stream=stream)
 
             def memcpy():
-                cp.cuda.runtime.memcpyAsync(c.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                            stream.ptr)
+                cp.cuda.runtime.memcpyAsync(c.data.ptr, a.data.ptr, nbytes, d2d, stream.ptr)
 
             def cupy_add():
                 cp.add(a, b, out=c)

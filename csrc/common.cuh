@@ -178,25 +178,100 @@ template <> struct Wide<unsigned short> { typedef unsigned int type; };
 template <> struct Wide<int> { typedef unsigned int type; };
 template <> struct Wide<long long> { typedef unsigned long long type; };
 
+// ------------------------------------------------------------------ float32 without flush-to-zero
+// CuPy appends -ftz=true to every NVRTC compile, after the caller's options (so it cannot be undone
+// there): plain float arithmetic and comparisons would then flush subnormals to zero, unlike numpy
+// (and ml_dtypes, whose bfloat16 has float32's exponent range). The float32 operations the reduce
+// kernels use are therefore PTX without .ftz: IEEE results, subnormals kept, whatever the flags.
+RC_HD float f32_add(float x, float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x + y;
+#endif
+}
+
+RC_HD float f32_mul(float x, float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x * y;
+#endif
+}
+
+RC_HD float f32_div(float x, float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x / y;
+#endif
+}
+
+RC_HD bool f32_le(float x, float y) {  // x <= y (false when either is NaN)
+#ifdef __CUDA_ARCH__
+  unsigned r;
+  asm("{\n\t.reg .pred p;\n\tsetp.le.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(x), "f"(y));
+  return r != 0;
+#else
+  return x <= y;
+#endif
+}
+
+RC_HD bool f32_ge(float x, float y) {  // x >= y (false when either is NaN)
+#ifdef __CUDA_ARCH__
+  unsigned r;
+  asm("{\n\t.reg .pred p;\n\tsetp.ge.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(x), "f"(y));
+  return r != 0;
+#else
+  return x >= y;
+#endif
+}
+
 // ------------------------------------------------------------------------------------ op functors
 struct OpSum {
   template <typename A> RC_HD static A apply(A x, A y) {
-    typedef typename Wide<A>::type W;
-    return (A)((W)x + (W)y);
+    if constexpr (is_same<A, float>::value) {
+      return f32_add(x, y);
+    } else {
+      typedef typename Wide<A>::type W;
+      return (A)((W)x + (W)y);
+    }
   }
 };
 struct OpProd {
   template <typename A> RC_HD static A apply(A x, A y) {
-    typedef typename Wide<A>::type W;
-    return (A)((W)x * (W)y);
+    if constexpr (is_same<A, float>::value) {
+      return f32_mul(x, y);
+    } else {
+      typedef typename Wide<A>::type W;
+      return (A)((W)x * (W)y);
+    }
   }
 };
 // numpy.minimum / numpy.maximum: a NaN in either operand gives NaN (x != x is false for integers).
 struct OpMin {
-  template <typename A> RC_HD static A apply(A x, A y) { return (x <= y || x != x) ? x : y; }
+  template <typename A> RC_HD static A apply(A x, A y) {
+    if constexpr (is_same<A, float>::value) {
+      return (f32_le(x, y) || x != x) ? x : y;
+    } else {
+      return (x <= y || x != x) ? x : y;
+    }
+  }
 };
 struct OpMax {
-  template <typename A> RC_HD static A apply(A x, A y) { return (x >= y || x != x) ? x : y; }
+  template <typename A> RC_HD static A apply(A x, A y) {
+    if constexpr (is_same<A, float>::value) {
+      return (f32_ge(x, y) || x != x) ? x : y;
+    } else {
+      return (x >= y || x != x) ? x : y;
+    }
+  }
 };
 
 // op(x, y) in the accumulation type, divided by div when use_div (float types only: AVG's final
@@ -204,9 +279,16 @@ struct OpMax {
 template <typename T, typename Op>
 RC_HD T combine(T x, T y, bool use_div, typename Traits<T>::acc div) {
   typedef Traits<T> Tr;
-  typename Tr::acc r = Op::template apply<typename Tr::acc>(Tr::load(x), Tr::load(y));
+  typedef typename Tr::acc A;
+  A r = Op::template apply<A>(Tr::load(x), Tr::load(y));
   if constexpr (Tr::is_float) {
-    if (use_div) r = r / div;
+    if (use_div) {
+      if constexpr (is_same<A, float>::value) {
+        r = f32_div(r, div);
+      } else {
+        r = r / div;
+      }
+    }
   }
   return Tr::store(r);
 }
