@@ -6,12 +6,23 @@
 >>> comm.all_reduce(x)            # in place: x == comm.size everywhere
 """
 
+from typing import Any
+
 from . import schedule
-from .communicator import Communicator, init
 from .errors import MismatchError, RingcommError, TimeoutError
 from .ops import SUPPORTED_DTYPES, ReduceOp, bfloat16
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The Communicator needs an MPI library (mpi4py.MPI loads it); importing it lazily lets the
+    # single-process parts (schedule, ops, the CUDA kernels and their benchmark) run without one.
+    if name in ("Communicator", "init"):
+        from . import communicator
+
+        return getattr(communicator, name)
+    raise AttributeError(f"module 'ringcomm' has no attribute {name!r}")
 
 __all__ = [
     "Communicator", "MismatchError", "ReduceOp", "RingcommError", "SUPPORTED_DTYPES", "TimeoutError",

@@ -17,7 +17,7 @@ def classify(x: Any, name: str) -> tuple[str, Any]:
     """Return ("host", numpy array) or ("cuda", CuPy array) viewing the same memory as ``x``."""
     if isinstance(x, np.ndarray):
         return "host", x
-    if hasattr(x, "__cuda_array_interface__"):
+    if _has_cuda_array_interface(x):
         return "cuda", _cupy(name).asarray(x)
     if hasattr(x, "__dlpack_device__"):
         device_type = x.__dlpack_device__()[0]
@@ -29,6 +29,15 @@ def classify(x: Any, name: str) -> tuple[str, Any]:
         f"{name}: expected a numpy array, a CuPy array, or an object with __cuda_array_interface__ or "
         f"DLPack (e.g. a PyTorch tensor); got {type(x).__module__}.{type(x).__qualname__}"
     )
+
+
+def _has_cuda_array_interface(x: Any) -> bool:
+    """Whether ``x`` describes itself by __cuda_array_interface__. A property that raises (PyTorch
+    does for dtypes the interface cannot name, e.g. bfloat16) counts as no: DLPack is tried next."""
+    try:
+        return hasattr(x, "__cuda_array_interface__")
+    except Exception:  # noqa: BLE001 - any error from the property means "not through this interface"
+        return False
 
 
 def flat(a: Any, name: str) -> Any:

@@ -155,3 +155,21 @@ def test_close_and_context_manager():
     with pytest.raises(ringcomm.RingcommError, match="closed by Communicator.close"):
         c.all_reduce(np.ones(3))
     c.close()  # a second close does nothing
+
+
+def test_an_array_interface_that_raises_is_not_taken_for_one(comm):
+    class Raises:  # PyTorch's __cuda_array_interface__ raises TypeError for bfloat16 tensors
+        @property
+        def __cuda_array_interface__(self):
+            raise TypeError("dtype not supported by the interface")
+
+    with pytest.raises(TypeError, match="expected a numpy array.*got .*Raises"):
+        comm.all_reduce(Raises())
+
+
+def test_single_process_parts_import_without_mpi():
+    import subprocess
+    import sys
+
+    code = "import sys, ringcomm, ringcomm.schedule, ringcomm.devices; assert 'mpi4py.MPI' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
