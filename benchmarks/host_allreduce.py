@@ -6,9 +6,10 @@ Run under MPI::
     mpiexec -n 2 python benchmarks/host_allreduce.py -b 64M -e 64M
 
 For each size: out-of-place and in-place (MPI_IN_PLACE), the median over iterations of the
-slowest rank's time per call (a barrier before each call) after warm-up, both implementations on
-the same buffers and data, the ratio MPI time / ringcomm time (> 1: ringcomm is faster), and the
-number of wrong result elements of each (results checked against an independent numpy reference).
+slowest rank's time per call after warm-up (one barrier, then the calls back to back, each timed
+from the previous call's completion to its own), both implementations on the same buffers and
+data, the ratio MPI time / ringcomm time (> 1: ringcomm is faster), and the number of wrong
+result elements of each (results checked against an independent numpy reference).
 The measuring, checking and data generation are ringcomm.bench's (this script only chooses the
 settings and prints its own table). Exit status 1 when a result is wrong, 2 for bad arguments.
 """
@@ -21,14 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringcomm.bench import env, report, sizes
-from ringcomm.bench.cli import Exit, RankParser, UsageError
+from ringcomm.bench.cli import Exit, Out, RankParser, UsageError
 from ringcomm.bench.impls import MpiImpl, RingcommImpl
 from ringcomm.bench.runner import MODES, Runner, Settings, Watchdog, total_wrong
 from ringcomm.ops import ReduceOp
-
-
-def _cells(cols: list[tuple[str, int]], values: list[str]) -> str:
-    return "".join(" " + v.rjust(w) for (_, w), v in zip(cols, values))
 
 
 def build_parser(quiet: bool) -> RankParser:
@@ -64,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ringcomm
 
     comm = ringcomm.init()
-    out = (lambda line="": None) if quiet else (lambda line="": print(line, flush=True))
+    out = Out(comm.rank)
     watchdog = Watchdog(comm.timeout + 60, comm.rank)
     ring, mpi = RingcommImpl(comm), MpiImpl(comm, "host", cuda_aware=False)
     runner = Runner(comm, [ring, mpi], settings, np, watchdog)
@@ -81,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           ("#wrong(rc)", 11), ("#wrong(mpi)", 12)]
         group_w = sum(w + 1 for _, w in group)
         out("#" + " " * (sum(w + 1 for _, w in keys) - 1) + "".join(m.center(group_w) for m in MODES))
-        out("#" + _cells(keys + group * 2, [name for name, _ in keys + group * 2])[1:])
+        out("#" + report.cells(keys + group * 2, [name for name, _ in keys + group * 2])[1:])
         rows = []
         counts = sizes.sweep_counts(sweep, dtype.itemsize, "all_reduce", comm.size)
         runner.reserve("all_reduce", max(counts), dtype)
@@ -92,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a, b = rc_row.results[mode], mpi_row.results[mode]
                 cells += [f"{a.time_us:.1f}", f"{b.time_us:.1f}", f"{b.ratio:.2f}" if b.ratio else "N/A",
                           "N/A" if a.wrong is None else str(a.wrong), "N/A" if b.wrong is None else str(b.wrong)]
-            out(_cells(keys + group * 2, cells))
+            out(report.cells(keys + group * 2, cells))
             rows += [rc_row, mpi_row]
         wrong = total_wrong(rows)
         out(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")

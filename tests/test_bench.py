@@ -139,6 +139,13 @@ def test_rank_values_are_deterministic_distinct_and_blockwise():
     # indices past 2^32 work and differ from the low ones
     high = data.rank_values(table, 7, 1, (1 << 32) - 2, np.empty(4, np.float32))
     assert high.shape == (4,)
+    below = data.rank_values(table, 7, 1, (1 << 32) - 4, np.empty(4, np.float32))
+    n = 1 << 17  # twice the table: most of its values appear
+    above = data.rank_values(table, 7, 1, 1 << 32, np.empty(n, np.float32))  # the low indices + 2^32
+    # a call across the 2^32 boundary gives what calls on either side give
+    assert np.array_equal(high[:2], below[2:]) and np.array_equal(high[2:], above[:2])
+    assert np.mean(above == whole[:n]) < 0.01  # index i + 2^32 is not index i again
+    assert np.unique(above).size > table.size // 2
 
 
 def _naive_expected(case: data.Case, seed: int) -> np.ndarray:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -19,10 +21,11 @@ from mpi4py import MPI
 
 import ringcomm
 from ringcomm import schedule
+from ringcomm.bench import env
 from ringcomm.bench.__main__ import main
 from ringcomm.bench.impls import MpiImpl, RingcommImpl
 from ringcomm.bench.report import parse_tables
-from ringcomm.bench.runner import Runner, Settings
+from ringcomm.bench.runner import Runner, Settings, Watchdog
 from ringcomm.ops import ReduceOp
 
 PLANTED = 3
@@ -58,6 +61,47 @@ def _check_paths_the_sweep_does_not_take() -> None:
         mpi.close()
 
 
+def _check_env_and_mpi_setup() -> list[str]:
+    """The header's node layout against the host names (MPI's own allgather), gather_strings
+    against the strings each rank gave, and the MPI baseline's communicator duplicate under a
+    deadline: rank 0 alone creating an MpiImpl gets ringcomm.TimeoutError instead of hanging (a
+    watchdog aborts the job if it hangs; the other ranks complete rank 0's abandoned MPI_Comm_idup
+    well after the deadline, so nothing stays pending). Returns this rank's failures (collected,
+    so no rank leaves its peers waiting)."""
+    errors = []
+    comm = ringcomm.init(timeout=TEST_TIMEOUT)
+    hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
+    layout = env.node_layout(comm)
+    if layout != (len(set(hosts)), max(hosts.count(h) for h in hosts)):
+        errors.append(f"node_layout {layout} for hosts {hosts}")
+    texts = [f"rank {r} {'ünïcode ' * r}" for r in range(comm.size)]
+    got = env.gather_strings(comm, texts[comm.rank])
+    if got != texts:
+        errors.append(f"gather_strings gave {got}, expected {texts}")
+
+    late = ringcomm.init()
+    late.timeout = 0.3
+    if late.rank == 0:
+        dog = Watchdog(10.0, 0)  # a blocking duplicate would hang here: end the job instead
+        dog.beat("MpiImpl() without its peers (must raise ringcomm.TimeoutError within 0.3 s)")
+        try:
+            MpiImpl(late, "host", cuda_aware=False)
+            errors.append("MpiImpl() without its peers returned instead of timing out")
+        except ringcomm.TimeoutError as e:
+            if not str(e).startswith("MpiImpl(): rank 0 waited 0.3 s") or "duplicating" not in str(e):
+                errors.append(f"MpiImpl() timed out with an unclear error: {e}")
+        finally:
+            dog.stop()
+    else:
+        time.sleep(1.0)
+        dup, request = late.mpi.Idup()  # rank 0's abandoned duplicate may complete with this one
+        deadline = time.monotonic() + 5.0
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    MPI.COMM_WORLD.Barrier()
+    return errors
+
+
 def _measured(group: dict) -> bool:
     return group["time"] is not None
 
@@ -74,6 +118,7 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     rc_bad, bad = _run(["-c", "all", *SWEEP, "--corrupt-for-tests", str(PLANTED)])
     assert rc_bad == 1
     _check_paths_the_sweep_does_not_take()
+    assert _check_env_and_mpi_setup() == []
     if comm.rank != 0:
         assert text == bad == ""  # only rank 0 prints
         return

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringcomm
-from ringcomm.schedule import partition
+from ringcomm.schedule import ALIGN, partition
 from ringcomm.zero import (
     CheckpointError, FlatLayout, LossScaler, ZeroShardManager, adam_update, consolidate, estimate_memory, formula,
     memory_breakdown, parse_count,
@@ -201,6 +201,29 @@ def test_layout_property(shapes, n, data):
     assert np.array_equal(covered, expect)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 5000), st.integers(1, 8), st.integers(1, 1 << 14))
+def test_bucket_rounds_cut_as_the_ring_cuts(count, n, bucket):
+    """The bucketed reduce-scatter's rounds: a multiple of ALIGN elements per rank, the largest whose
+    N copies fit the bucket (or the whole shard when N shards fit), and every round's N·m elements
+    partition into N equal pieces of m (the manager relies on this without checking it at run time)."""
+    lay = FlatLayout.of([(count,)], n)
+    S = lay.shard_size
+    c = lay.bucket(bucket)
+    assert 0 < c <= S and c % ALIGN == 0
+    if n * S <= bucket:
+        assert c == S
+    else:
+        assert (n * c <= bucket or c == ALIGN) and (c == S or n * (c + ALIGN) > bucket)
+    rounds = [min(c, S - o) for o in range(0, S, c)]
+    assert sum(rounds) == S
+    for m in set(rounds):
+        assert partition(n * m, n) == tuple((r * m, (r + 1) * m) for r in range(n))
+    for bad in (0, -16, True, 16.0):
+        with pytest.raises(ValueError, match="bucket_elements"):
+            lay.bucket(bad)
+
+
 def test_layout_straddles_shards():
     lay = FlatLayout.of([(100,), (50,)], 4)  # padded 192, shards of 48: parameter 0 spans 3 shards
     assert lay.padded == 192 and lay.shard_size == 48
@@ -287,6 +310,12 @@ def test_constructor_validation(comm):
         ZeroShardManager(comm, [[1.0, 2.0]])
     with pytest.raises(TypeError, match="Communicator"):
         ZeroShardManager(comm.mpi, p)
+
+    class NoBucket(ZeroShardManager):
+        bucket_elements = 0
+
+    with pytest.raises(ValueError, match="bucket_elements must be an integer >= 1"):
+        NoBucket(comm, p)
 
 
 def test_step_validation_before_communication(comm):
@@ -464,6 +493,72 @@ def test_checkpoint_roundtrip_and_errors(comm, tmp_path, seed):
         ZeroShardManager(comm, [p.astype(np.float64) for p in params]).load(tmp_path / "ck")
     after = [other._master, other._exp_avg, other._exp_avg_sq, other._param_flat]
     assert all(np.array_equal(a, b) for a, b in zip(before, after)) and other.step_count == 4
+
+
+#: (what is broken, how, words the error must contain): every field read from meta.json, missing or
+#: of the wrong type, raises CheckpointError (never KeyError/TypeError) and loads nothing.
+MALFORMED = [
+    ("shard file", lambda m: m["shards"][0].pop("file"), "shards[0] has no 'file'"),
+    ("shard nbytes", lambda m: m["shards"][0].pop("nbytes"), "shards[0] has no 'nbytes'"),
+    ("shard crc32", lambda m: m["shards"][0].pop("crc32"), "shards[0] has no 'crc32'"),
+    ("shard start", lambda m: m["shards"][0].pop("start"), "shards[0] has no 'start'"),
+    ("shard stop", lambda m: m["shards"][0].pop("stop"), "shards[0] has no 'stop'"),
+    ("crc32 as text", lambda m: m["shards"][0].update(crc32="123"), "shards[0].crc32"),
+    ("crc32 too large", lambda m: m["shards"][0].update(crc32=1 << 32), "shards[0].crc32"),
+    ("nbytes negative", lambda m: m["shards"][0].update(nbytes=-1), "shards[0].nbytes"),
+    ("file name type", lambda m: m["shards"][0].update(file=7), "bad shard file name"),
+    ("shard not an object", lambda m: m.update(shards=[[0, 33]]), "shards[0] must be an object"),
+    ("shards not a list", lambda m: m.update(shards={"0": {}}), "'shards' must be a list"),
+    ("no shards", lambda m: m.pop("shards"), "has no 'shards'"),
+    ("no shapes", lambda m: m.pop("shapes"), "has no 'shapes'"),
+    ("shape entry", lambda m: m["shapes"].__setitem__(0, [6, "5"]), "shapes[0][1]"),
+    ("no count", lambda m: m.pop("count"), "has no 'count'"),
+    ("no step", lambda m: m.pop("step"), "has no 'step'"),
+    ("step as text", lambda m: m.update(step="3"), "step must be an integer"),
+    ("skipped_steps", lambda m: m.update(skipped_steps=None), "skipped_steps"),
+    ("no master_dtype", lambda m: m.pop("master_dtype"), "has no 'master_dtype'"),
+    ("master_dtype null", lambda m: m.update(master_dtype=None), "master_dtype"),
+    ("master_dtype int", lambda m: m.update(master_dtype="<i4"), "master_dtype"),
+    ("master_dtype nonsense", lambda m: m.update(master_dtype="quux"), "malformed"),
+    ("loss_scaler type", lambda m: m.update(loss_scaler="dynamic"), "loss_scaler must be an object"),
+    ("loss scale", lambda m: m["loss_scaler"].update(scale=None), "loss_scaler.scale"),
+    ("good_steps", lambda m: m["loss_scaler"].pop("good_steps"), "loss_scaler has no 'good_steps'"),
+]
+
+
+def test_malformed_meta_is_a_checkpoint_error(comm, tmp_path, seed):
+    """A meta.json with a field missing or of the wrong type: CheckpointError from load (which
+    changes nothing: not the states, the parameters, the step count nor the loss scale) and from
+    consolidate, naming the field."""
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal((6, 5)).astype(np.float16), rng.standard_normal(3).astype(np.float16)]
+    saved = ZeroShardManager(comm, params, stage=1, loss_scale="dynamic")
+    saved.scaler.growth_interval = 1  # the saved scale differs from a fresh manager's
+    saved.step([rng.standard_normal(p.shape).astype(np.float16) for p in params])
+    saved.save(tmp_path / "ck")
+    good = json.loads((tmp_path / "ck" / "meta.json").read_text())
+    assert good["loss_scaler"]["mode"] == "dynamic" and len(good["shards"]) == 1
+
+    mgr = ZeroShardManager(comm, params, stage=2, loss_scale="dynamic")
+    mgr.step([rng.standard_normal(p.shape).astype(np.float16) for p in params])
+    assert mgr.loss_scale != saved.loss_scale
+    before = [np.array(a, copy=True) for a in (mgr._master, mgr._exp_avg, mgr._exp_avg_sq, mgr._param_flat)]
+    for what, mutate, words in MALFORMED:
+        bad = tmp_path / what.replace(" ", "_")
+        shutil.copytree(tmp_path / "ck", bad)
+        meta = json.loads(json.dumps(good))
+        mutate(meta)
+        (bad / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match="malformed checkpoint metadata") as info:
+            mgr.load(bad)
+        assert words in str(info.value), (what, str(info.value))
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            consolidate(bad)
+        after = [mgr._master, mgr._exp_avg, mgr._exp_avg_sq, mgr._param_flat]
+        assert all(np.array_equal(a, b) for a, b in zip(before, after)), what
+        assert mgr.step_count == 1 and mgr.skipped_steps == 0 and mgr.loss_scale == 65536.0, what
+    mgr.load(tmp_path / "ck")  # the intact checkpoint still loads
+    assert mgr.step_count == 1 and mgr.loss_scale == saved.loss_scale
 
 
 # ------------------------------------------------------------------------------------------ example

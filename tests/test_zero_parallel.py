@@ -9,6 +9,7 @@ data are drawn fresh for each run (conftest's ``seed``, printed; RINGCOMM_TEST_S
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -118,9 +119,12 @@ def full_params(mgr):
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
 def test_stages_match_reference_memory_and_communication(seed):
     """Parity (float64, 20 steps): stage 0 = single-process full-batch AdamW with clipping; stages
-    1-3 = stage 0 within 1e-12 relative. Per stage on every rank: memory_report equals the formulas
-    with Φ padded, exactly; comm_bytes per step equals the ring volumes; stage 3 keeps no full
-    parameter outside gathered(). float16/bfloat16 losses track float64 within HALF_TOL."""
+    1-3 = stage 0 within 1e-12 relative, with the default bucket (one reduce-scatter) and with a
+    bucket smaller than the shard (rounds of reduce-scatters, the last one ragged). Per stage on
+    every rank: memory_report equals the formulas with Φ padded, exactly; comm_bytes per step
+    equals the ring volumes; stage 3 keeps no full parameter outside gathered(). Ranks constructed
+    with different bucket_elements raise on every rank. float16/bfloat16 losses track float64
+    within HALF_TOL."""
     comm = make_comm()
     n, errors = comm.size, []
     x, y, p0 = problem(seed)
@@ -175,6 +179,7 @@ def test_stages_match_reference_memory_and_communication(seed):
                 errors.append(f"stage {stage} vs stage 0: parameter {i} differs by {e:.2e} relative")
     if rel(losses64[0], ref_losses) > 1e-12:
         errors.append("stage 0 losses differ from the reference's")
+    check_small_bucket(comm, p0, x, y, sl, max_norm, scalar, final[0], errors)
 
     # mixed precision: float16 (static loss scale 1024) and bfloat16, every stage; plus the paper's
     # formulas in bytes for 2-byte parameters/gradients and fp32 master states (K = 12)
@@ -194,6 +199,59 @@ def test_stages_match_reference_memory_and_communication(seed):
                               f"{HALF_TOL[name]}), {mgr.skipped_steps} skipped steps")
     check_loss_scaling(comm, p0, x, y, sl, max_norm, errors)
     agree(comm, errors)
+
+
+def check_small_bucket(comm, p0, x, y, sl, max_norm, scalar, want, errors):
+    """Stages 1-3 with a bucket of 48 elements per rank (Φ/N is 160 to 640 here): each step
+    reduce-scatters the gradients in rounds of N·48 elements and a ragged last round (counted on
+    the communicator), sends the same bytes as one reduce-scatter, and ends within 1e-12 of stage
+    0 (``want``). Then a bucket_elements that differs between ranks is an error on every rank."""
+    n = comm.size
+
+    class Bucketed(ZeroShardManager):
+        bucket_elements = 48 * n
+
+    sizes = []
+    plain = comm.reduce_scatter
+
+    def counted(x, *args, **kwargs):
+        sizes.append(x.size)
+        return plain(x, *args, **kwargs)
+
+    comm.reduce_scatter = counted
+    try:
+        for stage in (1, 2, 3):
+            mgr = Bucketed(comm, [p.copy() for p in p0], stage=stage, max_grad_norm=max_norm, **HYPER)
+            S = mgr.layout.shard_size
+            rounds = [n * min(48, S - o) for o in range(0, S, 48)]
+            assert len(rounds) >= 3 and S % 48, "the test wants several rounds and a ragged last one"
+            if mgr.scratch_bytes != 8 * n * 48:
+                errors.append(f"bucketed stage {stage}: staging of {mgr.scratch_bytes} bytes, expected {8 * n * 48}")
+            expect = {1: 2, 2: 2, 3: 3}[stage] * (n - 1) * S * 8 + scalar
+            sizes.clear()
+            train(mgr, x, y, STEPS, sl, np.float64, expect_comm=expect, errors=errors)
+            if sizes != rounds * STEPS:
+                errors.append(f"bucketed stage {stage}: reduce-scatters of {sizes[: len(rounds) + 1]}... elements, "
+                              f"expected {rounds} per step")
+            got = full_params(mgr)
+            for i in range(len(SHAPES)):
+                e = rel(got[i], want[i])
+                if e > 1e-12:
+                    errors.append(f"bucketed stage {stage} vs stage 0: parameter {i} differs by {e:.2e} relative")
+    finally:
+        del comm.reduce_scatter  # the class's method again
+    if n == 1:
+        return
+
+    class Uneven(ZeroShardManager):
+        bucket_elements = 48 * n if comm.rank == 0 else 1 << 25
+
+    try:
+        Uneven(comm, [p.copy() for p in p0], stage=2)
+        errors.append("ranks with different bucket_elements: construction did not raise")
+    except ValueError as e:
+        if f"ranks {list(range(1, n))} differ from rank 0 in bucket_elements" not in str(e):
+            errors.append(f"ranks with different bucket_elements: unclear error: {e}")
 
 
 def check_stage3_holds_shards(mgr, errors):
@@ -271,8 +329,10 @@ def test_checkpoint_reshard(tmp_path, seed):
     N = 2 (stage 1) and N = 3 (stage 2) via sub-communicators, continue 10 steps: identical to not
     stopping (within 1e-12 relative: the sums are taken in another order at another N).
     consolidate() gives bitwise the same state whichever N saved it (float64 model: float64 master;
-    float16 model: float32 master). Truncated, corrupt,
-    incomplete and mismatched checkpoints raise CheckpointError on every rank and change nothing."""
+    float16 model: float32 master), and within 1e-12 the state of stage 0 trained alike and saved
+    at N = 4 (each rank writes its shard of the full states). Truncated, corrupt, incomplete,
+    malformed (a field missing from one shard's entry: only the ranks reading that shard would
+    trip on it) and mismatched checkpoints raise CheckpointError on every rank and change nothing."""
     comm = make_comm()
     errors: list[str] = []
     root = pathlib.Path(comm.mpi.bcast(str(tmp_path) if comm.rank == 0 else None, root=0))
@@ -288,6 +348,9 @@ def test_checkpoint_reshard(tmp_path, seed):
     train(mgr, x, y, 10, rows(comm), np.float64)
     mgr.save(root / "n4")
     at10 = full_params(mgr)
+    plain = manager(comm, 0)  # stage 0 keeps the whole states; it saves only its shard of them
+    train(plain, x, y, 10, rows(comm), np.float64)
+    plain.save(root / "z4")
     train(mgr, x, y, 10, rows(comm), np.float64)
     final, final_scale = full_params(mgr), mgr.loss_scale
 
@@ -332,6 +395,10 @@ def test_checkpoint_reshard(tmp_path, seed):
                         errors.append(f"consolidate({k})[{key}] differs from the N=4 save")
             if not all(np.array_equal(a, b) and a.shape == s for a, b, s in zip(st["params"], at10, SHAPES)):
                 errors.append(f"consolidate({k}) params differ from the trained parameters")
+        z4 = consolidate(root / "z4")
+        worst = max(rel(a, b) for key in ("params", "exp_avg", "exp_avg_sq") for a, b in zip(z4[key], states["n4"][key]))
+        if z4["step"] != 10 or worst > 1e-12:
+            errors.append(f"consolidate(z4) (stage 0 at N=4): step {z4['step']}, off the stage 3 save by {worst:.2e}")
         halves = {k: consolidate(root / k) for k in ("h4", "h2", "h3")}
         for k, st in halves.items():
             if st["step"] != 3 or not all(a.dtype == np.float32 and np.array_equal(a, b)
@@ -341,7 +408,7 @@ def test_checkpoint_reshard(tmp_path, seed):
         # damaged copies of the N=4 checkpoint
         meta = (root / "n4" / "meta.json").read_text()
         shard = sorted((root / "n4").glob("shard-00002-*.bin"))[0].name
-        for name in ("truncated", "corrupt", "incomplete"):
+        for name in ("truncated", "corrupt", "incomplete", "nocrc"):
             shutil.copytree(root / "n4", root / name)
         with open(root / "truncated" / shard, "r+b") as f:
             f.truncate(os.path.getsize(root / "n4" / shard) - 8)
@@ -352,7 +419,10 @@ def test_checkpoint_reshard(tmp_path, seed):
             f.write(bytes([b[0] ^ 0xFF]))
         os.remove(root / "incomplete" / "meta.json")
         assert "shard-00002" in meta
-        for name in ("truncated", "corrupt", "incomplete"):
+        doc = json.loads(meta)
+        del next(s for s in doc["shards"] if s["file"].startswith("shard-00002"))["crc32"]
+        (root / "nocrc" / "meta.json").write_text(json.dumps(doc))
+        for name in ("truncated", "corrupt", "incomplete", "nocrc"):
             try:
                 consolidate(root / name)
                 errors.append(f"consolidate({name}) did not raise")
@@ -369,7 +439,8 @@ def test_checkpoint_reshard(tmp_path, seed):
         train(m, x, y, 2, rows(c), np.float64)
         snapshot = [np.array(a, copy=True) for a in (m._master, m._exp_avg, m._exp_avg_sq)] + full_params(m)
         for name, words in (("truncated", "truncated"), ("corrupt", "CRC"), ("incomplete", "meta.json"),
-                            ("shapes", "shapes differ"), ("float32", "float32"), ("missing", "does not exist")):
+                            ("nocrc", "has no 'crc32'"), ("shapes", "shapes differ"), ("float32", "float32"),
+                            ("missing", "does not exist")):
             try:
                 m.load(root / name)
                 errors.append(f"N={c.size}: load({name}) did not raise")

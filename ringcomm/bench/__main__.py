@@ -19,7 +19,7 @@ import numpy as np
 from ..ops import ReduceOp, check_dtype, parse_op
 from ..schedule import COLLECTIVES
 from . import data, env, report, sizes
-from .cli import Exit, RankParser, UsageError
+from .cli import Exit, Out, RankParser, UsageError
 from .runner import Progress, Row, Runner, Settings, Watchdog
 
 IMPLS = ("ringcomm", "nccl", "mpi")
@@ -163,17 +163,6 @@ def _size(text: str, what: str) -> int:
         raise UsageError(f"{what}: {e}") from None
 
 
-class _Out:
-    """Prints on rank 0 only (to the sys.stdout of the moment, so tests can capture it)."""
-
-    def __init__(self, rank: int) -> None:
-        self.on = rank == 0
-
-    def __call__(self, line: str = "") -> None:
-        if self.on:
-            print(line, flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark with ``argv`` (default sys.argv[1:]); returns the exit status."""
     from mpi4py import MPI
@@ -198,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     watchdog = Watchdog(args.timeout if args.timeout is not None else comm.timeout + 60, comm.rank)
     try:
-        return _run(comm, args, plan, watchdog, _Out(comm.rank))
+        return _run(comm, args, plan, watchdog, Out(comm.rank))
     except Exception:
         # A failure on some ranks would leave the others waiting for them until their deadlines:
         # end the whole job now, as mpi4py's own runner (python -m mpi4py) does.
@@ -211,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watchdog.stop()
 
 
-def _run(comm: Any, args: argparse.Namespace, plan: Plan, watchdog: Watchdog, out: _Out) -> int:
+def _run(comm: Any, args: argparse.Namespace, plan: Plan, watchdog: Watchdog, out: Out) -> int:
     watchdog.beat("start-up (device, implementations)")
     cupy, why = env.cupy_module() if args.device in ("auto", "cuda") else (None, "--device host")
     have_gpu = env.all_true(comm, cupy is not None)
@@ -336,7 +325,7 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
 
 
 def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], notes: list[str], xp: Any,
-            out: _Out) -> dict[str, Any]:
+            out: Out) -> dict[str, Any]:
     """Print the header (nccl-tests' first lines, then ringcomm's) and return it as a dict for JSON."""
     nccl = next((i.nccl for i in impls if i.name == "nccl"), None)
     vers = env.versions(cupy, nccl)

@@ -2,6 +2,7 @@
 
 Under ``mpiexec`` every rank parses the same arguments; :class:`RankParser` prints help and errors
 on one rank only and raises instead of exiting, so ``main(argv)`` can also run inside a test.
+:class:`Out` prints the output on rank 0 only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ class Exit(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
+
+
+class Out:
+    """Prints on rank 0 only (to the sys.stdout of the moment, so tests can capture it)."""
+
+    def __init__(self, rank: int) -> None:
+        self.on = rank == 0
+
+    def __call__(self, line: str = "") -> None:
+        if self.on:
+            print(line, flush=True)
 
 
 class RankParser(argparse.ArgumentParser):

@@ -14,19 +14,19 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-#: Bytes per rank when strings are gathered (a multiple of ringcomm's shard alignment).
-STRING_BYTES = 256
+from ..records import TEXT_BYTES, exchange
+
+#: UTF-8 bytes kept of each rank's string when strings are gathered (a record's message).
+STRING_BYTES = TEXT_BYTES
 
 
 def gather_strings(comm: Any, text: str) -> list[str]:
     """Every rank's ``text`` (UTF-8, cut to :data:`STRING_BYTES` bytes), in rank order.
 
-    Collective over ``comm`` (a ringcomm Communicator); uses its all_gather, so it has its deadline.
+    Collective over ``comm`` (a ringcomm Communicator): :func:`ringcomm.records.exchange`, through
+    its all_gather, so it has its deadline.
     """
-    raw = text.encode()[:STRING_BYTES].ljust(STRING_BYTES, b"\0")
-    out = np.empty(STRING_BYTES * comm.size, np.uint8)
-    comm.all_gather(np.frombuffer(raw, np.uint8).copy(), out=out)
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out.reshape(comm.size, STRING_BYTES)]
+    return [msg for _, msg in exchange(comm, (), text)]
 
 
 def all_true(comm: Any, flag: bool) -> bool:
@@ -126,9 +126,8 @@ def describe_rank(comm: Any, device: str, cupy: Any = None) -> str:
 
 def node_layout(comm: Any) -> tuple[int, int]:
     """(number of nodes, largest number of ranks on one node), from MPI's shared-memory split."""
-    node_size = comm.node_comm.size
-    leaders = comm.all_reduce(np.array([1 if comm.node_comm.rank == 0 else 0, node_size], np.int64), "sum")
-    most = comm.all_reduce(np.array([node_size], np.int64), "max")
+    leaders = comm.all_reduce(np.array([1 if comm.node_comm.rank == 0 else 0], np.int64), "sum")
+    most = comm.all_reduce(np.array([comm.node_comm.size], np.int64), "max")
     return int(leaders[0]), int(most[0])
 
 

@@ -20,13 +20,21 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..devices import HostDevice
+from ..engine import Context
 from ..ops import ReduceOp, bfloat16
+from ..transports.base import wait
 from .data import COMBINE, Case
 
 
 class Buffers:
     """Named raw buffers reused by every row of a sweep (grown to the largest size, never shrunk),
-    so that rows do not pay for fresh memory. ``xp`` is numpy or cupy."""
+    so that rows do not pay for fresh memory. ``xp`` is numpy or cupy.
+
+    Like ``Communicator._scratch_array``, but these are the *user's* arrays of the benchmark (the
+    inputs and outputs every implementation is handed, the host data and MPI mirrors): they must
+    not be the communicator's scratch, which its collectives use internally (a reduce_scatter
+    works in it, so a user buffer there would alias the collective's own work space)."""
 
     def __init__(self, xp: Any) -> None:
         self.xp = xp
@@ -173,7 +181,12 @@ class MpiImpl:
     name = "mpi"
 
     def __init__(self, comm: Any, device: str, cuda_aware: bool) -> None:
-        self.mpi = comm.mpi.Dup()
+        # MPI_Comm_idup under the communicator's deadline, as Communicator() duplicates its own:
+        # a peer that never creates its MpiImpl raises ringcomm.TimeoutError here instead of hanging.
+        setup = Context("MpiImpl()", comm, HostDevice(), np.dtype(np.uint8), None)
+        dup, request = comm.mpi.Idup()
+        wait([request], setup, None, comm.left, "duplicating the MPI communicator for the MPI baseline")
+        self.mpi = dup
         self.size = comm.size
         self.device = device
         self.staged = device != "host" and not cuda_aware
@@ -295,9 +308,9 @@ class MpiImpl:
             raise ValueError(c)
 
         if not self.staged:
-            return Prepared(call, result, _no_sync if self.device == "host" else _device_sync)
+            return Prepared(call, result, _no_sync if self.device == "host" else device_sync)
         pairs = {"send": (arrays.send, s), "recv": (arrays.recv, r)}
-        return Prepared(_staged(call, pairs, down, up), result, _device_sync)
+        return Prepared(_staged(call, pairs, down, up), result, device_sync)
 
 
 def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], down: tuple[str, slice],
@@ -316,7 +329,9 @@ def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], 
     return run
 
 
-def _device_sync() -> None:
+def device_sync() -> None:
+    """Wait for the work queued on CuPy's current stream (GPU runs: loads, poison, staged copies),
+    so that what reads the arrays next, from another stream or through MPI, sees it."""
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()

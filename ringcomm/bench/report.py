@@ -42,8 +42,10 @@ class Layout:
         return list(_GROUP) + ([_RATIO] if self.ratio else [])
 
 
-def _cells(cols: Sequence[tuple[str, int, str]], values: Sequence[str]) -> str:
-    return "".join(" " + v.rjust(w) for (_, w, _), v in zip(cols, values))
+def cells(cols: Sequence[tuple[Any, ...]], values: Sequence[str]) -> str:
+    """The cells of one table line: each value right-aligned in its column's width (a column is
+    ``(name, width, ...)``), each preceded by a space. Also used by benchmarks/host_allreduce.py."""
+    return "".join(" " + v.rjust(col[1]) for col, v in zip(cols, values))
 
 
 def column_header(layout: Layout) -> list[str]:
@@ -52,8 +54,8 @@ def column_header(layout: Layout) -> list[str]:
     key_w = sum(w + 1 for _, w, _ in keys)
     group_w = sum(w + 1 for _, w, _ in group)
     titles = "#" + " " * (key_w - 1) + "".join(m.center(group_w) for m in MODES)
-    names = "#" + _cells(keys, [k for k, _, _ in keys])[1:] + _cells(group, [g for g, _, _ in group]) * 2
-    units = "#" + _cells(keys, [u for _, _, u in keys])[1:] + _cells(group, [u for _, _, u in group]) * 2
+    names = "#" + cells(keys, [k for k, _, _ in keys])[1:] + cells(group, [g for g, _, _ in group]) * 2
+    units = "#" + cells(keys, [u for _, _, u in keys])[1:] + cells(group, [u for _, _, u in group]) * 2
     return [titles.rstrip(), names, units.rstrip()]
 
 
@@ -68,13 +70,13 @@ def _ratio(x: float) -> str:
 
 def _group_cells(res: Result, layout: Layout, is_reference: bool) -> list[str]:
     if res.time_us is None:
-        cells = ["N/A"] * 4
+        out = ["N/A"] * 4
     else:
-        cells = [_time(res.time_us), f"{res.algbw:.2f}", f"{res.busbw:.2f}",
-                 "N/A" if res.wrong is None else str(res.wrong)]
+        out = [_time(res.time_us), f"{res.algbw:.2f}", f"{res.busbw:.2f}",
+               "N/A" if res.wrong is None else str(res.wrong)]
     if layout.ratio:
-        cells.append("-" if is_reference else "N/A" if res.ratio is None else _ratio(res.ratio))
-    return cells
+        out.append("-" if is_reference else "N/A" if res.ratio is None else _ratio(res.ratio))
+    return out
 
 
 def format_row(row: Row, layout: Layout, reference: str = "ringcomm") -> str:
@@ -82,9 +84,9 @@ def format_row(row: Row, layout: Layout, reference: str = "ringcomm") -> str:
     keys = [str(row.nbytes), str(row.count), row.type, row.redop, str(row.root)]
     if layout.multi:
         keys.append(row.impl)
-    line = _cells(layout.keys(), keys)
+    line = cells(layout.keys(), keys)
     for mode in MODES:
-        line += _cells(layout.group(), _group_cells(row.results[mode], layout, row.impl == reference))
+        line += cells(layout.group(), _group_cells(row.results[mode], layout, row.impl == reference))
     return line
 
 

@@ -25,6 +25,7 @@ leaves the manager as it was.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ._sync import exchange
+from ..records import exchange
 
 FORMAT = "ringcomm.zero"
 VERSION = 1
@@ -107,31 +108,95 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
             f"{path}: checkpoint format version {meta.get('version')!r}; this ringcomm reads version {VERSION}"
         )
     try:
-        shapes = [tuple(int(d) for d in s) for s in meta["shapes"]]
-        count = int(meta["count"])
-        master_dtype = np.dtype(meta["master_dtype"])
-        int(meta["step"])
-        shards = sorted(meta["shards"], key=lambda s: (int(s["start"]), int(s["stop"])))
+        shapes = [_shape(s, f"shapes[{i}]") for i, s in enumerate(_list(meta, "shapes"))]
+        count = _int(_key(meta, "count"), "count")
+        master_dtype = _master_dtype(_key(meta, "master_dtype"))
+        step = _int(_key(meta, "step"), "step")
+        skipped = _int(meta.get("skipped_steps", 0), "skipped_steps")
+        scaler = _scaler_state(meta.get("loss_scaler"))
+        shards = sorted((_shard(s, i) for i, s in enumerate(_list(meta, "shards"))),
+                        key=lambda s: (s["start"], s["stop"]))
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: malformed checkpoint metadata ({e})") from None
     if sum(int(np.prod(s, dtype=np.int64)) for s in shapes) != count:
         raise CheckpointError(f"{path}: the parameter shapes do not add up to count={count}")
     at = 0
     for s in shards:
-        start, stop = int(s["start"]), int(s["stop"])
+        start, stop = s["start"], s["stop"]
         if start != at or stop < start:
             raise CheckpointError(f"{path}: the shard ranges do not tile [0, {count}) (gap or overlap at element {at})")
-        if not _SHARD_RE.fullmatch(str(s["file"])):
-            raise CheckpointError(f"{path}: bad shard file name {s['file']!r}")
-        if int(s["nbytes"]) != 3 * (stop - start) * master_dtype.itemsize:
-            want = 3 * (stop - start) * master_dtype.itemsize
+        want = 3 * (stop - start) * master_dtype.itemsize
+        if s["nbytes"] != want:
             raise CheckpointError(f"{path}: shard {s['file']} records {s['nbytes']} bytes, expected {want}")
         at = stop
     if at != count:
         raise CheckpointError(f"{path}: the shard ranges end at {at}, not at count={count}")
-    meta["shapes"], meta["count"], meta["shards"] = shapes, count, shards
-    meta["master_dtype"] = master_dtype
+    meta.update(shapes=shapes, count=count, master_dtype=master_dtype, step=step, skipped_steps=skipped,
+                loss_scaler=scaler, shards=shards)
     return meta
+
+
+# Field checks of read_meta: each raises ValueError (or TypeError) saying which field is wrong;
+# read_meta turns that into CheckpointError. Nothing downstream reads meta.json's raw values.
+def _key(d: dict[str, Any], key: str, where: str = "meta.json") -> Any:
+    if key not in d:
+        raise ValueError(f"{where} has no {key!r}")
+    return d[key]
+
+
+def _list(d: dict[str, Any], key: str) -> list[Any]:
+    value = _key(d, key)
+    if not isinstance(value, list):
+        raise ValueError(f"{key!r} must be a list; got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, what: str, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (high is not None and value >= high):
+        bound = "" if high is None else f" and < {high}"
+        raise ValueError(f"{what} must be an integer >= 0{bound}; got {value!r}")
+    return value
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of dimensions; got {value!r}")
+    return tuple(_int(d, f"{what}[{j}]") for j, d in enumerate(value))
+
+
+def _master_dtype(value: Any) -> np.dtype:
+    dt = np.dtype(value) if isinstance(value, str) else None
+    if dt is None or dt.kind != "f" or dt.itemsize not in (4, 8):
+        raise ValueError(f"master_dtype must be '<f4' or '<f8' (float32 or float64); got {value!r}")
+    return np.dtype(f"f{dt.itemsize}")  # the data are little-endian; this is the native type they load into
+
+
+def _scaler_state(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"loss_scaler must be an object; got {value!r}")
+    if value.get("mode") != "dynamic":
+        return {"mode": value.get("mode")}
+    scale = _key(value, "scale", "loss_scaler")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"loss_scaler.scale must be a finite number > 0; got {scale!r}")
+    return {"mode": "dynamic", "scale": float(scale),
+            "good_steps": _int(_key(value, "good_steps", "loss_scaler"), "loss_scaler.good_steps")}
+
+
+def _shard(value: Any, i: int) -> dict[str, Any]:
+    where = f"shards[{i}]"
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be an object; got {value!r}")
+    name = _key(value, "file", where)
+    if not isinstance(name, str) or not _SHARD_RE.fullmatch(name):
+        raise ValueError(f"{where}: bad shard file name {name!r}")
+    out = {"file": name}
+    for key in ("start", "stop", "nbytes"):
+        out[key] = _int(_key(value, key, where), f"{where}.{key}")
+    out["crc32"] = _int(_key(value, "crc32", where), f"{where}.crc32", high=1 << 32)
+    return out
 
 
 def read_range(
@@ -145,7 +210,7 @@ def read_range(
     dt = meta["master_dtype"].newbyteorder("<")
     out = [np.empty(hi - lo, meta["master_dtype"]) for _ in range(3)]
     for s in meta["shards"]:
-        start, stop = int(s["start"]), int(s["stop"])
+        start, stop = s["start"], s["stop"]
         a, b = max(lo, start), min(hi, stop)
         if a >= b:
             continue
@@ -153,9 +218,9 @@ def read_range(
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: shard file missing (elements [{start}, {stop}))")
         size = os.path.getsize(path)
-        if size != int(s["nbytes"]):
+        if size != s["nbytes"]:
             raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, expected {s['nbytes']}")
-        if _file_crc(path) != int(s["crc32"]):
+        if _file_crc(path) != s["crc32"]:
             raise CheckpointError(f"{path}: corrupt: CRC-32 does not match meta.json")
         length = stop - start
         for k in range(3):
@@ -183,7 +248,7 @@ def consolidate(directory: str | os.PathLike) -> dict[str, Any]:
             parts.append(flat[at : at + n].reshape(shape).copy())
             at += n
         out[key] = parts
-    out["step"] = int(meta["step"])
+    out["step"] = meta["step"]
     return out
 
 
@@ -257,7 +322,7 @@ def load(mgr: Any, directory: str | os.PathLike) -> None:
         staged = read_range(directory, meta, lo, hi)
     except CheckpointError as e:
         err = str(e)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # any other local failure is agreed on too: no peer waits for this rank
         err = f"{type(e).__name__}: {e}"
     table = exchange(comm, [0 if err else 1], err)
     failed = [f"rank {r}: {m}" for r, ((ok, *_), m) in enumerate(table) if not ok]

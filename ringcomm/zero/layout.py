@@ -53,6 +53,19 @@ class FlatLayout:
         padded = max(1, -(-total // quantum)) * quantum
         return cls(shapes_t, world_size, sizes, tuple(offsets), total, padded, padded // world_size)
 
+    def bucket(self, bucket_elements: int) -> int:
+        """Elements per rank in one round of a bucketed reduce-scatter over the shards, with a staging
+        buffer of about ``bucket_elements`` (N times the result): the whole shard when N·shard_size
+        fits, else the largest multiple of ALIGN in bucket_elements / N (at least ALIGN). The rounds
+        are this size and the remainder ``shard_size % bucket``, both multiples of ALIGN, so
+        :func:`ringcomm.schedule.partition` cuts every round's N·m elements into N pieces of m."""
+        if isinstance(bucket_elements, bool) or not isinstance(bucket_elements, int) or bucket_elements < 1:
+            raise ValueError(f"bucket_elements must be an integer >= 1; got {bucket_elements!r}")
+        n, S = self.world_size, self.shard_size
+        if n * S <= bucket_elements:
+            return S
+        return min(S, max(ALIGN, bucket_elements // n // ALIGN * ALIGN))
+
     def shard(self, rank: int) -> tuple[int, int]:
         """The [start, stop) of rank ``rank``'s shard in the padded flat buffer."""
         if not 0 <= rank < self.world_size:

@@ -40,16 +40,15 @@ import numpy as np
 from ..arrays import classify
 from ..communicator import Communicator
 from ..ops import FLOAT_DTYPES
-from ..schedule import ALIGN, partition
+from ..records import exchange
 from . import checkpoint
-from ._sync import exchange
 from .adam import apply_adam
 from .layout import FlatLayout
+from .memory import STAGES
 from .scaler import LossScaler
 
 log = logging.getLogger("ringcomm")
 
-STAGES = (0, 1, 2, 3)
 KINDS = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
 
 #: Elements per pass of the float64 squared-norm loop (host: pairwise sums, deterministic).
@@ -123,7 +122,9 @@ class ZeroShardManager:
 
     #: Largest reduce-scatter (elements) the gradient reduction of stages 2-3 issues: the bucket.
     #: The gradients go through a staging buffer of min(Φ, bucket_elements) elements (about), in
-    #: rounds; the volume sent is the same. Set it on the class or instance before construction.
+    #: rounds (:meth:`FlatLayout.bucket`); the volume sent is the same. Construction reads it, so set
+    #: it on the class (or a subclass) before constructing; it must be the same on every rank
+    #: (checked at construction). Changing it on an instance afterwards has no effect.
     bucket_elements: int = 1 << 25
 
     def __init__(
@@ -165,8 +166,6 @@ class ZeroShardManager:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"params: dtype {dtype}; accepted working precisions: {', '.join(map(str, FLOAT_DTYPES))}")
         bucket = self.bucket_elements
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket_elements must be an integer >= 1; got {bucket!r}")
 
         self.comm, self.stage, self.dtype = comm, stage, dtype
         self.kind = kinds.pop()
@@ -174,25 +173,26 @@ class ZeroShardManager:
         self.layout = layout = FlatLayout.of([a.shape for _, a in arrays], comm.size)
         n, rank, S = comm.size, comm.rank, layout.shard_size
         self._lo, self._hi = layout.shard(rank)
-        # bucket: rounds of c elements per rank (a multiple of ALIGN) through a staging buffer of n*c
-        c = S if n * S <= bucket else max(ALIGN, bucket // n // ALIGN * ALIGN)
-        self._bucket = min(c, S)
-        for length in {self._bucket, S % self._bucket} - {0}:
-            expect = tuple((r * length, (r + 1) * length) for r in range(n))
-            if tuple(partition(n * length, n)) != expect:  # the layout relies on this
-                raise RuntimeError(f"ringcomm.zero: partition({n * length}, {n}) is not equal shards of {length}")
+        # bucket: rounds of at most this many elements per rank through a staging buffer of n times it
+        self._bucket = layout.bucket(bucket)  # validates bucket_elements (locally, before any communication)
 
-        # ---- every rank must describe the same model (one small all-gather, with a deadline)
-        sig = repr((stage, str(dtype), self.kind, layout.shapes)).encode()
+        # ---- every rank must describe the same model and bucket (one small all-gather, with a
+        # deadline): a different bucket_elements would make the reduce-scatter rounds differ in size
+        sig = repr((self.kind, layout.shapes)).encode()
         digest = np.frombuffer(hashlib.sha256(sig).digest()[:16], np.int64)
-        mine = [stage, FLOAT_DTYPES.index(dtype), len(layout.sizes), layout.count, int(digest[0]), int(digest[1])]
+        mine = [stage, FLOAT_DTYPES.index(dtype), len(layout.sizes), layout.count, int(digest[0]), int(digest[1]),
+                bucket]
         table = exchange(comm, mine)
-        bad = [r for r, (v, _) in enumerate(table) if v[:6] != table[0][0][:6]]
+        first = table[0][0][: len(mine)]
+        bad = [r for r, (v, _) in enumerate(table) if v[: len(mine)] != first]
         if bad:
+            fields = ("stage", "dtype") + ("parameter shapes or device",) * 4 + ("bucket_elements",)
+            differ = dict.fromkeys(fields[j] for r in bad for j, (a, b) in enumerate(zip(table[r][0], first)) if a != b)
             raise ValueError(
-                f"ZeroShardManager: ranks {bad} differ from rank 0 in stage, dtype, device or parameter shapes "
-                f"(rank 0: stage {table[0][0][0]}, {table[0][0][2]} parameters, {table[0][0][3]} elements; "
-                f"this rank {rank}: stage {stage}, {len(layout.sizes)} parameters, {layout.count} elements)"
+                f"ZeroShardManager: ranks {bad} differ from rank 0 in {', '.join(differ)} "
+                f"(rank 0: stage {first[0]}, {first[2]} parameters, {first[3]} elements, bucket_elements {first[6]}; "
+                f"this rank {rank}: stage {stage}, {len(layout.sizes)} parameters, {layout.count} elements, "
+                f"bucket_elements {bucket}); construct the manager alike on every rank"
             )
 
         # ---- buffers
@@ -505,10 +505,12 @@ class ZeroShardManager:
         checkpoint.load(self, directory)
         self._comm_mark = self.comm.bytes_sent
 
-    def _checkpoint_range(self) -> tuple[int, int]:
-        """The unpadded flat elements this rank saves and loads: its shard, clipped to the count."""
+    def _checkpoint_range(self, saving: bool = False) -> tuple[int, int]:
+        """The unpadded flat elements this rank loads (stage 0 keeps the whole master: all of them)
+        or, ``saving``, saves (its shard, so that the ranks' files tile the vector): the range
+        clipped to the count."""
         count = self.layout.count
-        if self.stage == 0:
+        if self.stage == 0 and not saving:
             return 0, count
         return min(self._lo, count), min(self._hi, count)
 
@@ -518,8 +520,8 @@ class ZeroShardManager:
         return slice(start, start + b - a)
 
     def _checkpoint_shard(self) -> tuple[int, int, list[Any]]:
-        count = self.layout.count
-        a, b = min(self._lo, count), min(self._hi, count)
+        """(start, stop, [master, exp_avg, exp_avg_sq] over it): what this rank saves."""
+        a, b = self._checkpoint_range(saving=True)
         sl = self._local(a, b)
         return a, b, [self._master[sl], self._exp_avg[sl], self._exp_avg_sq[sl]]
 
