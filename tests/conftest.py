@@ -131,6 +131,18 @@ def ops_for(dtype: np.dtype) -> list[ReduceOp]:
     return [op for op in ReduceOp if not (op is ReduceOp.AVG and np.dtype(dtype) in INT_DTYPES)]
 
 
+def require_gpu():
+    """(cupy, number of GPUs) for a GPU test module; skips the whole module without CuPy or a GPU."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        ngpu = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver
+        ngpu = 0
+    if ngpu == 0:
+        pytest.skip("no CUDA device", allow_module_level=True)
+    return cupy, ngpu
+
+
 @pytest.fixture
 def seed() -> int:
     return shared_seed(MPI.COMM_WORLD)

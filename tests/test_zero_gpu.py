@@ -6,13 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    _ngpu = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver
-    _ngpu = 0
-if _ngpu == 0:
-    pytest.skip("no CUDA device", allow_module_level=True)
+from conftest import require_gpu
+
+cupy, _ngpu = require_gpu()
 
 import ringcomm  # noqa: E402
 from ringcomm.zero import ZeroShardManager, adam_update, consolidate  # noqa: E402

@@ -14,17 +14,12 @@ import warnings
 import numpy as np
 import pytest
 from conftest import (
+    require_gpu,
     DTYPES, assert_identical_on_all_ranks, assert_matches, gather_all, make_comm, ops_for, random_input, shared_seed,
 )
 from mpi4py import MPI
 
-cupy = pytest.importorskip("cupy")
-try:
-    _ngpu = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    _ngpu = 0
-if _ngpu == 0:
-    pytest.skip("no CUDA device", allow_module_level=True)
+cupy, _ngpu = require_gpu()
 
 from ringcomm.ops import ReduceOp  # noqa: E402
 from ringcomm.transports import ipc, staged  # noqa: E402

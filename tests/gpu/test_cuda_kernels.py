@@ -12,13 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    _ngpu = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    _ngpu = 0
-if _ngpu == 0:
-    pytest.skip("no CUDA device", allow_module_level=True)
+from conftest import require_gpu
+
+cupy, _ngpu = require_gpu()
 
 from ringcomm.devices.cuda import CudaDevice, fused_adam  # noqa: E402
 from ringcomm.ops import FLOAT_DTYPES, HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
