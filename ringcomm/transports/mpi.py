@@ -41,19 +41,21 @@ class MpiTransport:
 
     def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
         self.ctx, self.device = ctx, ctx.device
-        self._stable = ctx.stable and self.device.name == "host"
+        self._on_host = self.device.name == "host"
+        self._stable = ctx.stable and self._on_host
         if len(self._persistent) >= PERSISTENT_LIMIT:  # only between collectives: none is active now
             self._free_persistent()
         self._per_slice = max(1, self.slice_bytes // work.itemsize)
-        need = max((hi - lo for lo, hi in bounds), default=0) * work.itemsize
-        if self._scratch is None or self._scratch.size < need:
-            self._scratch = self.device.empty(need, "u1")
 
     def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
         per = self._per_slice
         if recv_count:
             if recv_into is None:
-                dst = self._scratch[: recv_count * self.ctx.dtype.itemsize].view(self.ctx.dtype)
+                dtype = self.ctx.dtype
+                need = recv_count * dtype.itemsize
+                if self._scratch is None or self._scratch.size < need:  # grows once, then reused
+                    self._scratch = self.device.empty(need, "u1")
+                dst = self._scratch[:need].view(dtype)
             else:
                 dst = recv_into
             self._in_place = recv_into is not None
@@ -62,7 +64,7 @@ class MpiTransport:
                 piece = dst[lo : lo + per]
                 self._recvs.append((lo, lo + piece.size, piece, self._start(piece, left, False)))
         if send is not None and send.size:
-            if self.device.name != "host":
+            if not self._on_host:
                 self.device.synchronize()  # the chunk may still be in flight on the stream
             right = self.comm.right
             for lo in range(0, send.size, per):
@@ -92,7 +94,7 @@ class MpiTransport:
             yield lo, hi, None if self._in_place else view
 
     def step_done(self, step: Any) -> None:
-        if self.device.name != "host" and self._recvs:
+        if not self._on_host and self._recvs:
             self.device.synchronize()  # the scratch is reused by the next step's receive
         if self._sends:
             wait(self._sends, self.ctx, step.index, self.comm.right, "sending chunk %d", step.send)
