@@ -64,12 +64,10 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
-        blocks = comm._scratch_array(kind + "/small", device, n * count, src.dtype)
-        ctx.stable = True  # blocks is the communicator's small scratch: same place every call
-        device.copy(blocks[r * count : (r + 1) * count], src)
-        whole = schedule.blocks(count, n)
-        comm._run(ctx, kind, count, schedule.all_gather(n, r), whole, blocks, blocks, algorithm="gather-fold")
-        fold(ctx, blocks, count, schedule.partition(count, n), work)
+        plan = comm._gather_plan(ctx, kind, count)
+        device.copy(plan.buf[r * count : (r + 1) * count], src)
+        comm._run_plan(ctx, count, plan)
+        fold(ctx, plan.buf, count, schedule.partition(count, n), work)
     else:
         steps = schedule.all_reduce(n, r)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, devices, transports
+from . import collectives, devices, schedule, transports
 from .config import env, flag
-from .engine import Context, execute
+from .engine import Context, Plan, execute
 from .errors import MismatchError, RingcommError
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .schedule import Bounds, partition
@@ -21,6 +21,7 @@ log = logging.getLogger("ringcomm")
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_SLICE_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 4096
+PLAN_LIMIT = 64  # cached small all-reduce plans (one per count and dtype)
 
 _CLOSED = "closed by Communicator.close()"
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
@@ -78,6 +79,7 @@ class Communicator:
         self._aborted: str | None = None
         self._transports: dict[str, Any] = {}
         self._scratch: dict[str, Any] = {}
+        self._plans: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------ the collectives
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
@@ -145,6 +147,7 @@ class Communicator:
         """
         if self._aborted == _CLOSED:
             return
+        self._free_plans()
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()
@@ -219,21 +222,54 @@ class Communicator:
 
     def _run(
         self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, work: Any, src: Any, result_chunks: Any = (),
-        root: int = -1, agreed: bool = False, algorithm: str = "ring",
+        root: int = -1, agreed: bool = False,
     ) -> None:
-        """Run one collective's schedule through the engine (after the agreement check, if enabled
-        and not ``agreed`` already). ``count``: the user's element count (checked and logged)."""
+        """Run one collective's schedule through the engine. ``count``: the user's element count."""
+        transport = self._transport(kind)
+        self._launch(
+            ctx, count, root, agreed, "ring", transport, len(steps),
+            lambda: execute(ctx, steps, bounds, work, src, transport, result_chunks),
+        )
+
+    def _gather_plan(self, ctx: Context, kind: str, count: int) -> Any:
+        """The cached Plan that all-gathers N whole buffers of ``count`` elements (small all-reduce).
+
+        Each plan owns its buffer (N·count elements, at most N·small_bytes bytes); at most
+        PLAN_LIMIT are kept (all freed, between collectives, when there would be more).
+        """
+        key = (kind, count, ctx.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_LIMIT:
+                self._free_plans()
+            blocks = ctx.device.empty(self.size * count, ctx.dtype)
+            steps = schedule.all_gather(self.size, self.rank)
+            plan = self._plans[key] = Plan(ctx, steps, schedule.blocks(count, self.size), blocks, self._transport(kind))
+        return plan
+
+    def _run_plan(self, ctx: Context, count: int, plan: Any) -> None:
+        self._launch(ctx, count, -1, False, "gather-fold", plan.transport, len(plan.steps), lambda: plan.run(ctx))
+
+    def _free_plans(self) -> None:
+        for plan in self._plans.values():
+            plan.free()
+        self._plans.clear()
+
+    def _launch(
+        self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, transport: Any, nsteps: int, run: Any
+    ) -> None:
+        """The agreement check (if enabled and not ``agreed`` already), the DEBUG log line, then
+        ``run()`` (which returns the payload bytes sent); any error in it aborts the communicator."""
         if self.check and not agreed:
             self._guarded(lambda: self._agree(ctx, ctx.collective, count, root))
-        transport = self._transport(kind)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: rank %d/%d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d",
                 ctx.collective, self.rank, self.size, count, ctx.dtype, ctx.op, algorithm, transport.name,
-                ctx.device.name, len(steps),
+                ctx.device.name, nsteps,
             )
         try:
-            self.bytes_sent += execute(ctx, steps, bounds, work, src, transport, result_chunks)
+            self.bytes_sent += run()
         except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
             self._aborted = f"{type(e).__name__}: {e}"
             raise

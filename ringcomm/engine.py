@@ -23,7 +23,7 @@ from .schedule import Bounds, Step, fold_order
 class Context:
     """What one collective call's transports need to know: names for errors, dtype, op, device."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "stable")
+    __slots__ = ("collective", "comm", "device", "dtype", "op")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -31,9 +31,6 @@ class Context:
         self.device = device  # reduces and copies (ringcomm.devices)
         self.dtype = dtype
         self.op = op
-        #: every buffer the steps touch is the communicator's own, at the same place on every call
-        #: (a transport may then keep per-buffer state, e.g. persistent MPI requests)
-        self.stable = False
 
 
 def execute(
@@ -88,6 +85,43 @@ def execute(
             lo, hi = bounds[c]
             device.copy(work[lo:hi], src[lo:hi])
     return sent
+
+
+
+class Plan:
+    """A copy-only schedule (an all-gather) bound once to a buffer of its own, run many times.
+
+    When the transport can prepare a step (``transport.prepare``: the MPI transport makes persistent
+    requests, MPI_Send_init/Recv_init), a run restarts them with no set-up at all; otherwise a run
+    is the engine's loop, :func:`execute`. Used where latency is everything: small all-reduces.
+    """
+
+    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, transport: Any) -> None:
+        if any(st.reduce for st in steps):
+            raise ValueError("a Plan runs copy steps only")
+        self.steps, self.bounds, self.buf, self.transport = steps, bounds, buf, transport
+        self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
+        prepare = getattr(transport, "prepare", None)
+        prepared = [] if prepare is not None else None
+        for st in steps if prepare is not None else ():
+            send = buf[slice(*bounds[st.send])] if st.send is not None else None
+            recv = buf[slice(*bounds[st.recv])] if st.recv is not None else None
+            prepared.append(prepare(ctx, st, send, recv))
+        self.prepared = None if prepared is None or None in prepared else prepared
+
+    def run(self, ctx: Context) -> int:
+        """Run the steps; return the payload bytes this rank sent."""
+        if self.prepared is None:
+            return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.transport)
+        for st, prepared in zip(self.steps, self.prepared):
+            prepared.run(ctx, st)
+        return self.sent
+
+    def free(self) -> None:
+        """Release what the transport prepared (the plan is not run again)."""
+        for prepared in self.prepared or ():
+            prepared.free()
+        self.prepared = None
 
 
 def fold(ctx: Context, blocks: Any, count: int, bounds: Bounds, work: Any) -> None:

@@ -11,31 +11,27 @@ from mpi4py import MPI
 
 from ..errors import TimeoutError
 
-#: Polls before a wait starts yielding the CPU (ranks may outnumber cores).
-_SPINS = 50
-
-
 def wait_until(done: Callable[[], bool], ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
     """Poll ``done()`` until it is true, or raise :class:`ringcomm.TimeoutError` after ``ctx.comm.timeout`` s.
 
-    Spins briefly, then yields the processor between polls (``os.sched_yield``, not
-    ``time.sleep(0)``, which pays the kernel's timer slack of ~50 us) so that oversubscribed ranks
-    still make progress and no kernel or peer is starved. Every wait gets the whole timeout. The
-    error names the collective, the step, this rank and ``peer``; ``what % args`` says what was
+    Yields the processor between polls (``os.sched_yield``, not ``time.sleep(0)``, which pays the
+    kernel's timer slack of ~50 us): when ranks outnumber cores, the rank being waited for gets the
+    core at once (measured: 8 B all-reduce at 4 ranks on 2 cores, 41 us instead of 73 us with 50
+    spins first), and alone on a core the yield returns at once. Every wait gets the whole timeout.
+    The error names the collective, the step, this rank and ``peer``; ``what % args`` says what was
     awaited (formatted only then).
     """
-    spins = 0
+    polls = 0
     deadline = None
     while not done():
-        spins += 1
-        if spins > _SPINS:
-            os.sched_yield()
-            if spins & 255 == 0:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + ctx.comm.timeout
-                elif now > deadline:
-                    raise TimeoutError(ctx.collective, step, ctx.comm.rank, peer, ctx.comm.timeout, what % args)
+        os.sched_yield()
+        polls += 1
+        if polls & 255 == 0:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + ctx.comm.timeout
+            elif now > deadline:
+                raise TimeoutError(ctx.collective, step, ctx.comm.rank, peer, ctx.comm.timeout, what % args)
 
 
 def wait(requests: Sequence[MPI.Request], ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:

@@ -6,9 +6,9 @@ scratch buffer (allocated once per communicator, grown when a larger chunk comes
 receives straight into its destination. Buffers may be host arrays or, when the MPI library is
 CUDA-aware, device arrays (the device is synchronized before a chunk it produced is sent).
 
-Latency: when the collective says its buffers are the communicator's own small scratch
-(``ctx.stable``), the messages are persistent requests, made once (MPI_Send_init/Recv_init, keyed
-by address, size and peer) and restarted on every call, which saves about a microsecond a message.
+Latency: for a copy step between buffers that stay put (an :class:`ringcomm.engine.Plan`),
+:meth:`MpiTransport.prepare` makes persistent requests once (MPI_Send_init/Recv_init); each run
+restarts them, which saves the per-message set-up of MPI_Isend/Irecv.
 
 Ordering: MPI's non-overtaking rule orders the slices and the steps between two neighbours (one
 tag, receives posted in the order the sends are made), and a send is complete before the step ends,
@@ -25,8 +25,6 @@ from mpi4py import MPI
 from .base import as_bytes, cancel, wait
 
 TAG = 17
-#: persistent requests kept (when more, all are freed before the next collective)
-PERSISTENT_LIMIT = 256
 
 
 class MpiTransport:
@@ -37,14 +35,10 @@ class MpiTransport:
         self._scratch = None  # raw uint8 scratch for reduce steps, reused across calls
         self._sends: list = []
         self._recvs: list = []
-        self._persistent: dict[tuple[int, int, int, bool], MPI.Prequest] = {}
 
     def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
         self.ctx, self.device = ctx, ctx.device
         self._on_host = self.device.name == "host"
-        self._stable = ctx.stable and self._on_host
-        if len(self._persistent) >= PERSISTENT_LIMIT:  # only between collectives: none is active now
-            self._free_persistent()
         self._per_slice = max(1, self.slice_bytes // work.itemsize)
 
     def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
@@ -62,31 +56,13 @@ class MpiTransport:
             left = self.comm.left
             for lo in range(0, recv_count, per):
                 piece = dst[lo : lo + per]
-                self._recvs.append((lo, lo + piece.size, piece, self._start(piece, left, False)))
+                self._recvs.append((lo, lo + piece.size, piece, self.comm.mpi.Irecv(as_bytes(piece), left, TAG)))
         if send is not None and send.size:
             if not self._on_host:
                 self.device.synchronize()  # the chunk may still be in flight on the stream
             right = self.comm.right
             for lo in range(0, send.size, per):
-                self._sends.append(self._start(send[lo : lo + per], right, True))
-
-    def _start(self, buf: Any, peer: int, send: bool) -> MPI.Request:
-        """Start sending ``buf`` to / receiving it from ``peer``: a persistent request when stable."""
-        mpi = self.comm.mpi
-        if not self._stable:
-            return mpi.Isend(as_bytes(buf), peer, TAG) if send else mpi.Irecv(as_bytes(buf), peer, TAG)
-        key = (MPI.buffer(buf).address, buf.nbytes, peer, send)
-        req = self._persistent.get(key)
-        if req is None:
-            req = (mpi.Send_init if send else mpi.Recv_init)(as_bytes(buf), peer, TAG)
-            self._persistent[key] = req
-        req.Start()
-        return req
-
-    def _free_persistent(self) -> None:
-        for req in self._persistent.values():
-            req.Free()
-        self._persistent.clear()
+                self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo : lo + per]), right, TAG))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
         for lo, hi, view, req in self._recvs:
@@ -104,10 +80,40 @@ class MpiTransport:
         pass
 
     def close(self) -> None:
-        """Free the persistent requests (the communicator is being freed)."""
-        self._free_persistent()
+        """Drop the scratch buffer (the communicator is being freed)."""
+        self._scratch = None
+
+    def prepare(self, ctx: Any, step: Any, send: Any, recv_into: Any) -> PreparedStep | None:
+        """Persistent requests for one copy step between buffers that stay put (host memory only)."""
+        if ctx.device.name != "host":
+            return None
+        per = max(1, self.slice_bytes // ctx.dtype.itemsize)
+        mpi, comm = self.comm.mpi, self.comm
+        recvs = [mpi.Recv_init(as_bytes(recv_into[lo : lo + per]), comm.left, TAG)
+                 for lo in range(0, 0 if recv_into is None else recv_into.size, per)]
+        sends = [mpi.Send_init(as_bytes(send[lo : lo + per]), comm.right, TAG)
+                 for lo in range(0, 0 if send is None else send.size, per)]
+        return PreparedStep(comm, recvs, sends)
 
     def abort(self) -> None:
         cancel(self._sends + [req for *_, req in self._recvs])
         self._sends, self._recvs = [], []
-        self._free_persistent()  # cancelled ones cannot be restarted; the communicator is aborted
+
+
+class PreparedStep:
+    """One step's persistent receives (from the left) and sends (to the right), restarted per run."""
+
+    def __init__(self, comm: Any, recvs: list, sends: list) -> None:
+        self.comm, self.recvs, self.sends, self.all = comm, recvs, sends, recvs + sends
+
+    def run(self, ctx: Any, step: Any) -> None:
+        if not self.all:
+            return
+        MPI.Prequest.Startall(self.all)
+        wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv)
+        wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
+
+    def free(self) -> None:
+        for req in self.all:  # inactive, or (after a timeout) cancelled: MPI frees it once complete
+            req.Free()
+        self.all, self.recvs, self.sends = [], [], []
