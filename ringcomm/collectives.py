@@ -13,7 +13,7 @@ import numpy as np
 
 from . import schedule
 from .arrays import classify, flat, relation, writable
-from .engine import Context, fold
+from .engine import Context
 from .ops import ReduceOp, check_dtype, parse_op
 
 
@@ -64,10 +64,10 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
-        plan = comm._gather_plan(ctx, kind, count)
+        plan, fold = comm._gather_plan(ctx, kind, count)
         device.copy(plan.buf[r * count : (r + 1) * count], src)
         comm._run_plan(ctx, count, plan)
-        fold(ctx, plan.buf, count, schedule.partition(count, n), work)
+        fold(ctx, work)
     else:
         steps = schedule.all_reduce(n, r)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))

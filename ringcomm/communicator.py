@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from . import collectives, devices, schedule, transports
 from .config import env, flag
-from .engine import Context, Plan, execute
+from .engine import Context, Fold, Plan, execute
 from .errors import MismatchError, RingcommError
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .schedule import Bounds, partition
@@ -231,27 +231,29 @@ class Communicator:
             lambda: execute(ctx, steps, bounds, work, src, transport, result_chunks),
         )
 
-    def _gather_plan(self, ctx: Context, kind: str, count: int) -> Any:
-        """The cached Plan that all-gathers N whole buffers of ``count`` elements (small all-reduce).
+    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any]:
+        """The cached (Plan, Fold) of a small all-reduce of ``count`` elements: the plan all-gathers
+        N whole buffers into a buffer of its own, the fold reduces them into the result.
 
-        Each plan owns its buffer (N·count elements, at most N·small_bytes bytes); at most
-        PLAN_LIMIT are kept (all freed, between collectives, when there would be more).
+        Each plan owns N·count elements (at most N·small_bytes bytes); at most PLAN_LIMIT are kept
+        (all freed, between collectives, when there would be more).
         """
         key = (kind, count, ctx.dtype)
-        plan = self._plans.get(key)
-        if plan is None:
+        cached = self._plans.get(key)
+        if cached is None:
             if len(self._plans) >= PLAN_LIMIT:
                 self._free_plans()
-            blocks = ctx.device.empty(self.size * count, ctx.dtype)
-            steps = schedule.all_gather(self.size, self.rank)
-            plan = self._plans[key] = Plan(ctx, steps, schedule.blocks(count, self.size), blocks, self._transport(kind))
-        return plan
+            n = self.size
+            blocks = ctx.device.empty(n * count, ctx.dtype)
+            plan = Plan(ctx, schedule.all_gather(n, self.rank), schedule.blocks(count, n), blocks, self._transport(kind))
+            cached = self._plans[key] = (plan, Fold(blocks, count, schedule.partition(count, n), n))
+        return cached
 
     def _run_plan(self, ctx: Context, count: int, plan: Any) -> None:
         self._launch(ctx, count, -1, False, "gather-fold", plan.transport, len(plan.steps), lambda: plan.run(ctx))
 
     def _free_plans(self) -> None:
-        for plan in self._plans.values():
+        for plan, _ in self._plans.values():
             plan.free()
         self._plans.clear()
 

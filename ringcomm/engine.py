@@ -124,19 +124,29 @@ class Plan:
         self.prepared = None
 
 
-def fold(ctx: Context, blocks: Any, count: int, bounds: Bounds, work: Any) -> None:
-    """Reduce the N gathered blocks ``blocks[i*count:(i+1)*count]`` into ``work`` chunk by chunk.
+
+class Fold:
+    """Reduce the N gathered blocks ``blocks[i*count:(i+1)*count]`` into a result, chunk by chunk.
 
     Each chunk c of ``bounds`` is combined in :func:`ringcomm.schedule.fold_order` (the order in
     which reduce-scatter combines it), so the result is bitwise the ring schedule's, on every rank.
+    The views into ``blocks`` are made once; a call only reduces.
     """
-    n, op, reduce = ctx.comm.size, ctx.op or ReduceOp.SUM, ctx.device.reduce
-    for c, (lo, hi) in enumerate(bounds):
-        if hi == lo:
-            continue
-        dst = work[lo:hi]
-        first, *rest = fold_order(n, c)
-        acc = blocks[first * count + lo : first * count + hi]
-        for k, j in enumerate(rest, 2):
-            reduce(dst, blocks[j * count + lo : j * count + hi], acc, op, n if k == n and op is ReduceOp.AVG else 1)
-            acc = dst
+
+    def __init__(self, blocks: Any, count: int, bounds: Bounds, n: int) -> None:
+        self.n = n
+        self.pieces = [
+            (lo, hi, [blocks[j * count + lo : j * count + hi] for j in fold_order(n, c)])
+            for c, (lo, hi) in enumerate(bounds)
+            if hi > lo
+        ]
+
+    def __call__(self, ctx: Context, work: Any) -> None:
+        """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``."""
+        op, reduce = ctx.op or ReduceOp.SUM, ctx.device.reduce
+        last_div = self.n if op is ReduceOp.AVG else 1
+        for lo, hi, views in self.pieces:
+            dst, acc = work[lo:hi], views[0]
+            for k in range(1, len(views)):  # local data first, the partial result second, as a ring step
+                reduce(dst, views[k], acc, op, last_div if k == len(views) - 1 else 1)
+                acc = dst
