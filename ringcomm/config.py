@@ -1,4 +1,7 @@
-"""Reading RINGCOMM_* environment variables: they override arguments (README lists them all)."""
+"""Reading RINGCOMM_* environment variables: they override arguments (README lists them all).
+
+RINGCOMM_TRANSPORT, a name rather than a value, is read and checked by ringcomm.transports.override.
+"""
 
 from __future__ import annotations
 

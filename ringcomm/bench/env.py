@@ -14,14 +14,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..records import TEXT_BYTES, exchange
-
-#: UTF-8 bytes kept of each rank's string when strings are gathered (a record's message).
-STRING_BYTES = TEXT_BYTES
+from ..records import exchange
 
 
 def gather_strings(comm: Any, text: str) -> list[str]:
-    """Every rank's ``text`` (UTF-8, cut to :data:`STRING_BYTES` bytes), in rank order.
+    """Every rank's ``text`` (UTF-8, cut to :data:`ringcomm.records.TEXT_BYTES` bytes), in rank order.
 
     Collective over ``comm`` (a ringcomm Communicator): :func:`ringcomm.records.exchange`, through
     its all_gather, so it has its deadline.

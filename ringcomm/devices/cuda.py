@@ -231,7 +231,7 @@ class CudaDevice:
         k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(src)), _u64(nbytes)), stream=self.stream)
 
     def empty(self, count: int, dtype: Any) -> Any:
-        """A new device array (CuPy's pool) for scratch; called outside the hot loop."""
+        """A new device array (CuPy's pool) for scratch; callers keep and reuse it (made on first use, or to grow)."""
         with self.xp.cuda.Device(self.device_id):
             return self.xp.empty(int(count), dtype)
 

@@ -37,7 +37,7 @@ class HostDevice:
         np.copyto(dst, src)
 
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
-        """A new scratch array (called outside the hot loop)."""
+        """A new scratch array (callers keep and reuse it: it is made on first use, or to grow)."""
         return np.empty(count, dtype)
 
     def synchronize(self) -> None:

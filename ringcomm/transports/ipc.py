@@ -348,13 +348,14 @@ class IpcTransport:
         return None
 
     def close(self) -> None:
-        """Drop this transport's scratch and the fallback's buffers (the communicator is being freed).
+        """Close the fallback's buffers (the communicator is being freed).
 
-        The process-wide cache of opened peer mappings stays: other communicators may use them.
+        This transport's own exported scratch buffers are kept until the transport itself goes:
+        a neighbour may still hold them mapped in the process-wide cache of opened mappings, and
+        memory must not be freed under an open IPC mapping.
         """
         if self.fallback is not None:
             self.fallback.close()
-        self._scratch_old.clear()
 
     def abort(self) -> None:
         if self.fallback is not None:
