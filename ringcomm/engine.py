@@ -87,7 +87,6 @@ def execute(
     return sent
 
 
-
 class Plan:
     """A copy-only schedule (an all-gather) bound once to a buffer of its own, run many times.
 
@@ -101,13 +100,15 @@ class Plan:
             raise ValueError("a Plan runs copy steps only")
         self.steps, self.bounds, self.buf, self.transport = steps, bounds, buf, transport
         self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
+        self.prepared = None
         prepare = getattr(transport, "prepare", None)
-        prepared = [] if prepare is not None else None
-        for st in steps if prepare is not None else ():
-            send = buf[slice(*bounds[st.send])] if st.send is not None else None
-            recv = buf[slice(*bounds[st.recv])] if st.recv is not None else None
-            prepared.append(prepare(ctx, st, send, recv))
-        self.prepared = None if prepared is None or None in prepared else prepared
+        if prepare is not None:
+            def view(chunk: int | None) -> Any:
+                return None if chunk is None else buf[slice(*bounds[chunk])]
+
+            self.prepared = [prepare(ctx, st, view(st.send), view(st.recv)) for st in steps]
+            if None in self.prepared:  # this transport cannot prepare these buffers: the engine's loop
+                self.free()
 
     def run(self, ctx: Context) -> int:
         """Run the steps; return the payload bytes this rank sent."""
@@ -120,9 +121,9 @@ class Plan:
     def free(self) -> None:
         """Release what the transport prepared (the plan is not run again)."""
         for prepared in self.prepared or ():
-            prepared.free()
+            if prepared is not None:
+                prepared.free()
         self.prepared = None
-
 
 
 class Fold:

@@ -58,6 +58,11 @@ def cancel(requests: Sequence[MPI.Request]) -> None:
                 pass
 
 
+def slices(count: int, per_slice: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into consecutive (lo, hi) pieces of at most ``per_slice`` elements."""
+    return [(lo, min(count, lo + per_slice)) for lo in range(0, count, per_slice)]
+
+
 def as_bytes(a: Any) -> Any:
     """A 1-D uint8 view of the contiguous array ``a`` (numpy or CuPy), so MPI moves raw bytes."""
     return a.view("u1")

@@ -22,7 +22,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .base import as_bytes, cancel, wait
+from .base import as_bytes, cancel, slices, wait
 
 TAG = 17
 
@@ -54,15 +54,14 @@ class MpiTransport:
                 dst = recv_into
             self._in_place = recv_into is not None
             left = self.comm.left
-            for lo in range(0, recv_count, per):
-                piece = dst[lo : lo + per]
-                self._recvs.append((lo, lo + piece.size, piece, self.comm.mpi.Irecv(as_bytes(piece), left, TAG)))
+            for lo, hi in slices(recv_count, per):
+                self._recvs.append((lo, hi, dst[lo:hi], self.comm.mpi.Irecv(as_bytes(dst[lo:hi]), left, TAG)))
         if send is not None and send.size:
             if not self._on_host:
                 self.device.synchronize()  # the chunk may still be in flight on the stream
             right = self.comm.right
-            for lo in range(0, send.size, per):
-                self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo : lo + per]), right, TAG))
+            for lo, hi in slices(send.size, per):
+                self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo:hi]), right, TAG))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
         for lo, hi, view, req in self._recvs:
@@ -89,10 +88,12 @@ class MpiTransport:
             return None
         per = max(1, self.slice_bytes // ctx.dtype.itemsize)
         mpi, comm = self.comm.mpi, self.comm
-        recvs = [mpi.Recv_init(as_bytes(recv_into[lo : lo + per]), comm.left, TAG)
-                 for lo in range(0, 0 if recv_into is None else recv_into.size, per)]
-        sends = [mpi.Send_init(as_bytes(send[lo : lo + per]), comm.right, TAG)
-                 for lo in range(0, 0 if send is None else send.size, per)]
+        recvs = [] if recv_into is None else [
+            mpi.Recv_init(as_bytes(recv_into[lo:hi]), comm.left, TAG) for lo, hi in slices(recv_into.size, per)
+        ]
+        sends = [] if send is None else [
+            mpi.Send_init(as_bytes(send[lo:hi]), comm.right, TAG) for lo, hi in slices(send.size, per)
+        ]
         return PreparedStep(comm, recvs, sends)
 
     def abort(self) -> None:

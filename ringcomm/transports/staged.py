@@ -25,16 +25,11 @@ from typing import Any
 import numpy as np
 
 from ..config import env, flag
-from .base import cancel, wait, wait_until
+from .base import cancel, slices, wait, wait_until
 from .mpi import TAG
 
 #: Slices of a staged chunk are at least this large (fewer, larger host copies and messages).
 MIN_SLICE_BYTES = 4 << 20
-
-
-def slices(count: int, per_slice: int) -> list[tuple[int, int]]:
-    """Cut ``count`` elements into consecutive (lo, hi) pieces of at most ``per_slice`` elements."""
-    return [(lo, min(count, lo + per_slice)) for lo in range(0, count, per_slice)]
 
 
 def wait_event(event: Any, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
