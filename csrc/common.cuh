@@ -2,6 +2,8 @@
 //
 //   - 16-bit float storage types (half_t, bf16_t) with their float conversions,
 //   - dtype traits (the accumulation type: float for the half types),
+//   - float and double arithmetic in PTX that is rounded once and never flushed to zero or fused into an
+//     FMA, whatever NVRTC's flags (CuPy forces -ftz=true; -fmad=true is the default): f32_*, rn_*, fp_cast,
 //   - the op functors SUM / PROD / MIN / MAX (integers wrap like numpy; MIN/MAX propagate NaN),
 //   - the 16-byte vector type and the launch constants.
 //
@@ -58,6 +60,29 @@ RC_HD float f32_from_bits(unsigned u) {
   union { unsigned u; float f; } x;
   x.u = u;
   return x.f;
+#endif
+}
+
+// ------------------------------------------------------------- float32 <-> float64 conversions
+// PTX cvt without .ftz: CuPy's -ftz=true would make the plain casts cvt.rn.ftz.f32.f64 and
+// cvt.ftz.f64.f32, which flush float32 subnormals (see "float32 without flush-to-zero" below).
+RC_HD float f32_from_f64(double x) {  // round to nearest even, subnormals kept
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+  return r;
+#else
+  return (float)x;
+#endif
+}
+
+RC_HD double f64_from_f32(float x) {  // exact
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
+  return r;
+#else
+  return (double)x;
 #endif
 }
 
@@ -128,12 +153,9 @@ RC_HD float f64_to_f32_odd(double d) {
   const double af = f < 0 ? -(double)f : (double)f, ad = d < 0 ? -d : d;
   if (af > ad) f = f32_from_bits(f32_bits(f) - 1u);
 #endif
-  if (d == d && (double)f != d) f = f32_from_bits(f32_bits(f) | 1u);
+  if (d == d && f64_from_f32(f) != d) f = f32_from_bits(f32_bits(f) | 1u);  // not (double)f: cvt.ftz under -ftz
   return f;
 }
-
-RC_HD float rc_sqrt(float x) { return sqrtf(x); }
-RC_HD double rc_sqrt(double x) { return sqrt(x); }
 
 // -------------------------------------------------------------------------------- dtype traits
 // acc: the type an element is combined in; load/store convert between storage and acc.
@@ -180,9 +202,10 @@ template <> struct Wide<long long> { typedef unsigned long long type; };
 
 // ------------------------------------------------------------------ float32 without flush-to-zero
 // CuPy appends -ftz=true to every NVRTC compile, after the caller's options (so it cannot be undone
-// there): plain float arithmetic and comparisons would then flush subnormals to zero, unlike numpy
-// (and ml_dtypes, whose bfloat16 has float32's exponent range). The float32 operations the reduce
-// kernels use are therefore PTX without .ftz: IEEE results, subnormals kept, whatever the flags.
+// there): plain float arithmetic, sqrtf, comparisons and float <-> double casts would then flush
+// subnormals to zero, unlike numpy (and ml_dtypes, whose bfloat16 has float32's exponent range). The
+// float32 operations the kernels use are therefore PTX without .ftz: IEEE results, subnormals kept,
+// whatever the flags. add/sub/mul carry an explicit .rn, which also keeps them out of FMA contraction.
 RC_HD float f32_add(float x, float y) {
 #ifdef __CUDA_ARCH__
   float r;
@@ -190,6 +213,16 @@ RC_HD float f32_add(float x, float y) {
   return r;
 #else
   return x + y;
+#endif
+}
+
+RC_HD float f32_sub(float x, float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x - y;
 #endif
 }
 
@@ -213,6 +246,16 @@ RC_HD float f32_div(float x, float y) {
 #endif
 }
 
+RC_HD float f32_sqrt(float x) {  // correctly rounded (sqrtf is too, but flushes under -ftz)
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return sqrtf(x);
+#endif
+}
+
 RC_HD bool f32_le(float x, float y) {  // x <= y (false when either is NaN)
 #ifdef __CUDA_ARCH__
   unsigned r;
@@ -231,6 +274,81 @@ RC_HD bool f32_ge(float x, float y) {  // x >= y (false when either is NaN)
 #else
   return x >= y;
 #endif
+}
+
+// ------------------------------------------------------------- rounded once, never fused (float, double)
+// NVRTC's default -fmad=true lets nvvm and ptxas fuse a multiply and the add that uses it into one FMA
+// (float and double alike): one rounding where the source has two. PTX add/sub/mul.rn are never fused
+// (an explicit rounding modifier forbids it), so code that must equal a host computation bit for bit
+// (the fused Adam and ringcomm.zero.adam) does every operation through these overloads: the float ones
+// are the PTX wrappers above, the double ones the same instructions in .f64 (no flush-to-zero exists
+// for double). fp_cast converts between float and double without .ftz (by width, so that code
+// templated on the type needs no other dispatch).
+RC_HD float rn_add(float x, float y) { return f32_add(x, y); }
+RC_HD float rn_sub(float x, float y) { return f32_sub(x, y); }
+RC_HD float rn_mul(float x, float y) { return f32_mul(x, y); }
+RC_HD float rn_div(float x, float y) { return f32_div(x, y); }
+RC_HD float rn_sqrt(float x) { return f32_sqrt(x); }
+
+RC_HD double rn_add(double x, double y) {
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("add.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+#else
+  return x + y;
+#endif
+}
+
+RC_HD double rn_sub(double x, double y) {
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("sub.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+#else
+  return x - y;
+#endif
+}
+
+RC_HD double rn_mul(double x, double y) {
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("mul.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+#else
+  return x * y;
+#endif
+}
+
+RC_HD double rn_div(double x, double y) {
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("div.rn.f64 %0, %1, %2;" : "=d"(r) : "d"(x), "d"(y));
+  return r;
+#else
+  return x / y;
+#endif
+}
+
+RC_HD double rn_sqrt(double x) {
+#ifdef __CUDA_ARCH__
+  double r;
+  asm("sqrt.rn.f64 %0, %1;" : "=d"(r) : "d"(x));
+  return r;
+#else
+  return sqrt(x);
+#endif
+}
+
+template <typename To, typename From> RC_HD To fp_cast(From x) {  // float <-> double, or the same type
+  static_assert(sizeof(To) == 4 || sizeof(To) == 8, "float or double");
+  if constexpr (sizeof(To) == sizeof(From)) {
+    return x;
+  } else if constexpr (sizeof(To) == 4) {
+    return f32_from_f64(x);
+  } else {
+    return f64_from_f32(x);
+  }
 }
 
 // ------------------------------------------------------------------------------------ op functors

@@ -9,6 +9,11 @@
 //   out = (O) p                                  (when out is given; round to nearest even)
 //
 // All arithmetic in P (the master dtype: float or double); the host computes decay, bc1, bc2.
+// Every operation is one of common.cuh's rn_* / fp_cast (PTX, rounded once, subnormals kept, never
+// fused into an FMA), in the order of ringcomm.zero.adam.adam_update, so the two agree bit for bit
+// whatever NVRTC's flags (CuPy forces -ftz=true; -fmad=true is NVRTC's default). No plain float
+// operator or cast below: under those flags it would flush or fuse (tests/test_csrc_host.py builds
+// this file with float and double as those flags make them and checks it against adam_update).
 // Entry points: ringcomm_adam_<P>_<G>_<O>(P* p, const G* g, P* m, P* v, O* out,
 //     unsigned long long n, double lr, double beta1, double beta2, double eps, double decay,
 //     double bc1, double bc2, double grad_scale)
@@ -21,8 +26,8 @@ namespace rc {
 struct NoOut {};
 
 RC_HD void store_out(float& o, float x) { o = x; }
-RC_HD void store_out(float& o, double x) { o = (float)x; }
-RC_HD void store_out(double& o, float x) { o = (double)x; }
+RC_HD void store_out(float& o, double x) { o = f32_from_f64(x); }
+RC_HD void store_out(double& o, float x) { o = f64_from_f32(x); }
 RC_HD void store_out(double& o, double x) { o = x; }
 RC_HD void store_out(half_t& o, float x) { o.bits = float_to_half(x); }
 RC_HD void store_out(half_t& o, double x) { o.bits = float_to_half(f64_to_f32_odd(x)); }
@@ -33,14 +38,17 @@ template <typename P, typename G, typename O>
 RC_HD void adam_thread(u64 tid, u64 nthreads, P* __restrict__ p, const G* __restrict__ g, P* __restrict__ m,
                        P* __restrict__ v, O* __restrict__ out, u64 n, double lr, double beta1, double beta2,
                        double eps, double decay, double bc1, double bc2, double grad_scale) {
-  const P lr_ = (P)lr, b1 = (P)beta1, b2 = (P)beta2, c1 = (P)(1.0 - beta1), c2 = (P)(1.0 - beta2);
-  const P eps_ = (P)eps, decay_ = (P)decay, bc1_ = (P)bc1, bc2_ = (P)bc2, scale = (P)grad_scale;
+  const P lr_ = fp_cast<P>(lr), b1 = fp_cast<P>(beta1), b2 = fp_cast<P>(beta2);
+  const P c1 = fp_cast<P>(rn_sub(1.0, beta1)), c2 = fp_cast<P>(rn_sub(1.0, beta2));
+  const P eps_ = fp_cast<P>(eps), decay_ = fp_cast<P>(decay), bc1_ = fp_cast<P>(bc1), bc2_ = fp_cast<P>(bc2);
+  const P scale = fp_cast<P>(grad_scale);
   for (u64 i = tid; i < n; i += nthreads) {
-    const P gi = (P)Traits<G>::load(g[i]) * scale;
-    const P mi = b1 * m[i] + c1 * gi;
-    const P vi = b2 * v[i] + c2 * gi * gi;
-    const P mhat = mi / bc1_, vhat = vi / bc2_;
-    const P pi = p[i] * decay_ - lr_ * mhat / (rc_sqrt(vhat) + eps_);
+    const P gi = rn_mul(fp_cast<P>(Traits<G>::load(g[i])), scale);         // g = grad * scale
+    const P mi = rn_add(rn_mul(b1, m[i]), rn_mul(c1, gi));                 // beta1*m + (1-beta1)*g
+    const P vi = rn_add(rn_mul(b2, v[i]), rn_mul(rn_mul(c2, gi), gi));     // beta2*v + ((1-beta2)*g)*g
+    const P mhat = rn_div(mi, bc1_), vhat = rn_div(vi, bc2_);
+    const P upd = rn_div(rn_mul(lr_, mhat), rn_add(rn_sqrt(vhat), eps_));  // (lr*mhat) / (sqrt(vhat)+eps)
+    const P pi = rn_sub(rn_mul(p[i], decay_), upd);                         // p*decay - upd
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;

@@ -2,7 +2,17 @@
 // compiler; no GPU, no nvcc). Each kernel body in csrc/ is a __host__ __device__ function of
 // (thread index, thread count); here every "thread" of a grid runs in turn, which is exact for
 // these kernels (threads touch disjoint elements and never synchronise). What differs from the GPU:
-// the 16-bit conversions use the integer code paths of common.cuh instead of PTX cvt.
+// the 16-bit conversions use the integer code paths of common.cuh instead of PTX cvt, and the PTX
+// wrappers of common.cuh (f32_*, rn_*, fp_cast) are the plain IEEE operations they stand for (build
+// with -ffp-contract=off so that the host compiler does not fuse them either).
+//
+// Built with -DRC_HOST_CUPY_OPTIONS, the harness also models what CuPy's NVRTC options do to the
+// plain float arithmetic of optimizer.cu: CuPy appends -ftz=true, and NVRTC's defaults include
+// -fmad=true. In that file (only), float and double are the types nvrtc_model::F32 / F64 below: float
+// operations flush subnormal inputs and results to sign-preserving zero (add/sub/mul/div/neg, sqrtf,
+// and float <-> double casts), and a product followed by an add or subtract is fused into one FMA
+// (float and double), as nvvm does (of a*b + c*d it fuses a*b). The PTX wrappers of common.cuh keep
+// IEEE semantics there, as on the GPU: a kernel written only with them gives the same bits either way.
 #define RC_HOST_EMULATION 1
 #define __host__
 #define __device__
@@ -20,7 +30,105 @@ struct alignas(16) uint4 {
 
 #include "../csrc/reduce.cu"
 #include "../csrc/copy.cu"
+
+#ifdef RC_HOST_CUPY_OPTIONS
+namespace nvrtc_model {
+
+inline float ftz(float x) { return fpclassify(x) == FP_SUBNORMAL ? copysignf(0.0f, x) : x; }
+
+struct F64;
+struct F32 {  // float under -ftz=true -fmad=true
+  float v;
+  F32() = default;
+  F32(float x) : v(x) {}  // a float from common.cuh (a PTX wrapper's result, a load): no instruction
+  F32(double x) : v(ftz((float)x)) {}  // cvt.rn.ftz.f32.f64
+  explicit F32(F64 x);
+  operator float() const { return v; }  // handed to common.cuh (a PTX wrapper): no instruction
+};
+struct F64 {  // double under -fmad=true (no flush-to-zero exists for double)
+  double v;
+  F64() = default;
+  F64(double x) : v(x) {}
+  F64(float x) : v(ftz(x)) {}  // cvt.ftz.f64.f32
+  F64(F32 x) : v(ftz(x.v)) {}
+  operator double() const { return v; }
+};
+inline F32::F32(F64 x) : F32(x.v) {}
+
+// A product not yet rounded: rounded when used as a value, fused into an add or subtract that uses it.
+struct Mul32 {
+  F32 a, b;
+  operator F32() const { return ftz(ftz(a.v) * ftz(b.v)); }
+};
+struct Mul64 {
+  F64 a, b;
+  operator F64() const { return a.v * b.v; }
+};
+inline F32 fused(Mul32 p, F32 c) { return ftz(fmaf(ftz(p.a.v), ftz(p.b.v), ftz(c.v))); }
+inline F64 fused(Mul64 p, F64 c) { return fma(p.a.v, p.b.v, c.v); }
+
+inline F32 operator-(F32 x) { return -ftz(x.v); }
+inline F64 operator-(F64 x) { return -x.v; }
+
+#define RC_MODEL_OPS(F, M, RAW, FLUSH)                                                          \
+  inline F operator+(F x, F y) { return FLUSH(FLUSH(x.v) + FLUSH(y.v)); }                     \
+  inline F operator-(F x, F y) { return FLUSH(FLUSH(x.v) - FLUSH(y.v)); }                     \
+  inline M operator*(F x, F y) { return M{x, y}; }                                            \
+  inline F operator/(F x, F y) { return FLUSH(FLUSH(x.v) / FLUSH(y.v)); }                     \
+  inline F operator+(M p, F c) { return fused(p, c); }                                        \
+  inline F operator+(F c, M p) { return fused(p, c); }                                        \
+  inline F operator+(M p, M q) { return fused(p, F(q)); }                                     \
+  inline F operator-(M p, F c) { return fused(p, -c); }                                       \
+  inline F operator-(F c, M p) { return fused(M{-p.a, p.b}, c); }                             \
+  inline F operator-(M p, M q) { return fused(p, -F(q)); }                                    \
+  inline F operator+(RAW x, F y) { return F(x) + y; }                                         \
+  inline F operator+(F x, RAW y) { return x + F(y); }                                         \
+  inline F operator-(RAW x, F y) { return F(x) - y; }                                         \
+  inline F operator-(F x, RAW y) { return x - F(y); }                                         \
+  inline M operator*(RAW x, F y) { return M{F(x), y}; }                                       \
+  inline M operator*(F x, RAW y) { return M{x, F(y)}; }                                       \
+  inline F operator/(RAW x, F y) { return F(x) / y; }                                         \
+  inline F operator/(F x, RAW y) { return x / F(y); }
+inline double no_flush(double x) { return x; }
+RC_MODEL_OPS(F32, Mul32, float, ftz)
+RC_MODEL_OPS(F64, Mul64, double, no_flush)
+#undef RC_MODEL_OPS
+
+// CUDA's math functions under -ftz=true -prec-sqrt=true: sqrt.rn.ftz.f32 (found by argument lookup).
+inline F32 sqrtf(F32 x) { return ftz(::sqrtf(ftz(x.v))); }
+inline F32 sqrt(F32 x) { return sqrtf(x); }
+inline F64 sqrt(F64 x) { return ::sqrt(x.v); }
+
+}  // namespace nvrtc_model
+
+typedef nvrtc_model::F32 kfloat;  // float and double as the kernel file sees them
+typedef nvrtc_model::F64 kdouble;
+#define float kfloat
+#define double kdouble
+#else
+typedef float kfloat;
+typedef double kdouble;
+#endif
+
 #include "../csrc/optimizer.cu"
+
+// Plain float arithmetic as the kernel file sees it (IEEE, or the CuPy-options model), so that the
+// tests can check that the model flushes and fuses where it should.
+namespace probe {
+RC_HD float mul_add(float x, float y, float z) { return x * y + z; }
+RC_HD float mul(float x, float y) { return x * y; }
+RC_HD float div(float x, float y) { return x / y; }
+RC_HD float root(float x) { return sqrtf(x); }
+RC_HD float narrow(double x) { return (float)x; }
+RC_HD double widen(float x) { return (double)x; }
+RC_HD double mul_add64(double x, double y, double z) { return x * y + z; }
+RC_HD double mul64(double x, double y) { return x * y; }
+}  // namespace probe
+
+#ifdef RC_HOST_CUPY_OPTIONS
+#undef float
+#undef double
+#endif
 
 using rc::u64;
 
@@ -41,6 +149,17 @@ template <typename F> int by_dtype(int dtype, F&& f) {
     case 9: f((unsigned int)0); return 0;
     case 10: f((long long)0); return 0;
     case 11: f((unsigned long long)0); return 0;
+  }
+  return -1;
+}
+
+// the float dtype codes 0..3 as the kernel file sees the types (kfloat, kdouble: see RC_HOST_CUPY_OPTIONS)
+template <typename F> int by_fp_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case 0: f(rc::half_t()); return 0;
+    case 1: f(rc::bf16_t()); return 0;
+    case 2: f(kfloat()); return 0;
+    case 3: f(kdouble()); return 0;
   }
   return -1;
 }
@@ -86,23 +205,47 @@ void rc_host_copy(void* d, const void* s, u64 nbytes, u64 nthreads) {
   for (u64 t = 0; t < nthreads; ++t) rc::copy_thread(t, nthreads, (unsigned char*)d, (const unsigned char*)s, nbytes);
 }
 
+// 1 when built with -DRC_HOST_CUPY_OPTIONS (optimizer.cu's float and double as CuPy's NVRTC options make them)
+int rc_host_cupy_options() {
+#ifdef RC_HOST_CUPY_OPTIONS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// probe::<op> on (x, y, z) (float ops on the arguments rounded to float): 0 mul_add, 1 mul, 2 div, 3 root,
+// 4 narrow (x itself), 5 widen, 6 mul_add64, 7 mul64 (the doubles themselves)
+double rc_host_probe(int op, double x, double y, double z) {
+  const float fx = (float)x, fy = (float)y, fz = (float)z;
+  switch (op) {
+    case 0: return probe::mul_add(fx, fy, fz);
+    case 1: return probe::mul(fx, fy);
+    case 2: return probe::div(fx, fy);
+    case 3: return probe::root(fx);
+    case 4: return probe::narrow(x);
+    case 5: return probe::widen(fx);
+    case 6: return probe::mul_add64(x, y, z);
+    case 7: return probe::mul64(x, y);
+  }
+  return -1.0;
+}
+
 // pdt: 2 (f32) or 3 (f64); gdt: 0..3; odt: -1 (none) or 0..3. s: lr, beta1, beta2, eps, decay, bc1, bc2, scale
 int rc_host_adam(int pdt, int gdt, int odt, void* p, const void* g, void* m, void* v, void* out, u64 n,
                  const double* s, u64 nthreads) {
   if ((pdt != 2 && pdt != 3) || gdt < 0 || gdt > 3 || odt < -1 || odt > 3) return -1;
-  return by_dtype(pdt, [&](auto px) {
+  return by_fp_dtype(pdt, [&](auto px) {
     typedef decltype(px) P;
-    if constexpr (rc::is_same<P, float>::value || rc::is_same<P, double>::value) {
-      by_dtype(gdt, [&](auto gx) {
+    if constexpr (rc::is_same<P, kfloat>::value || rc::is_same<P, kdouble>::value) {
+      by_fp_dtype(gdt, [&](auto gx) {
         typedef decltype(gx) G;
         if (odt == -1) {
           run_adam<P, G, rc::NoOut>(p, g, m, v, out, n, s, nthreads);
         } else {
-          by_dtype(odt, [&](auto ox) {
+          by_fp_dtype(odt, [&](auto ox) {
             typedef decltype(ox) O;
-            if constexpr (rc::is_same<O, rc::half_t>::value || rc::is_same<O, rc::bf16_t>::value ||
-                          rc::is_same<O, float>::value || rc::is_same<O, double>::value)
-              run_adam<P, G, O>(p, g, m, v, out, n, s, nthreads);
+            run_adam<P, G, O>(p, g, m, v, out, n, s, nthreads);
           });
         }
       });

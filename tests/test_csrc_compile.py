@@ -49,6 +49,39 @@ def test_compiles(source: Path, arch: str, tmp_path: Path):
     assert (tmp_path / f"{source.stem}.{arch}.o").stat().st_size > 0
 
 
+# What CuPy appends to the caller's NVRTC options for every RawModule (cupy/cuda/compiler.py,
+# _compile_with_cache_cuda: ``options += ('-ftz=true',)``); NVRTC's defaults stand for the rest:
+# -fmad=true, -prec-div=true, -prec-sqrt=true (nvcc has the same defaults and the same meaning).
+CUPY_APPENDS = ("-ftz=true",)
+# Kernel files whose floating-point results must not depend on those flags (bitwise equal to the host).
+IEEE_SOURCES = ("optimizer.cu",)
+_FP_INSN = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9]+)*\.f(?:32|64))\b", re.MULTILINE)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile the kernels)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", IEEE_SOURCES)
+def test_ptx_keeps_ieee_under_cupy_options(name: str, arch: str, tmp_path: Path):
+    """Compiled with the loader's options plus CuPy's -ftz=true, the PTX has no flush-to-zero and
+    nothing the code generator may fuse: no .ftz, no fma/mad, and every f32/f64 add, sub and mul
+    carries .rn (ptxas may contract a mul and an add only when neither has a rounding modifier)."""
+    from ringcomm.devices import cuda
+
+    ptx = tmp_path / f"{name}.{arch}.ptx"
+    cmd = [NVCC, *cuda.NVRTC_OPTIONS, *CUPY_APPENDS, f"-arch={arch}", "-I", str(CSRC), "--ptx", str(CSRC / name),
+           "-o", str(ptx)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
+    insns = _FP_INSN.findall(ptx.read_text())
+    assert insns, "no floating-point instruction found: the PTX pattern is wrong"
+    bad: dict[str, int] = {}
+    for insn in insns:
+        parts = insn.split(".")
+        if "ftz" in parts or parts[0] in ("fma", "mad") or (parts[0] in ("add", "sub", "mul") and "rn" not in parts):
+            bad[insn] = bad.get(insn, 0) + 1
+    assert not bad, f"{name} ({arch}, {' '.join(CUPY_APPENDS)}): instructions that flush or may fuse: {bad}"
+
+
 def test_entry_points_match_the_loader():
     """The kernel names the Python launcher asks for are the ones the sources define."""
     from ringcomm.devices import cuda

@@ -5,6 +5,11 @@ grid in turn; the grids here are small so the unrolled, remainder, head and tail
 grid-stride loops all run. Guard bytes around each output catch writes out of bounds. Skipped
 when no C++ compiler is found. (On the GPU the 16-bit conversions are PTX cvt instructions; here
 the integer versions in common.cuh run, checked below against numpy and ml_dtypes.)
+
+The harness is also built with -DRC_HOST_CUPY_OPTIONS (fixture ``lib_cupy``): optimizer.cu's plain
+float and double arithmetic then behaves as under CuPy's NVRTC options (-ftz=true appended by CuPy,
+-fmad=true by default: subnormals flushed, a*b+c fused), while common.cuh's PTX wrappers stay IEEE,
+as on the GPU. The fused Adam must equal ringcomm.zero.adam.adam_update bit for bit in both builds.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ u64 = ctypes.c_uint64
 pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler found")
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
+    """The harness as a shared library; -ffp-contract=off: the host compiler fuses nothing itself."""
     out = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas", str(HARNESS), "-o", str(out)]
+    cmd = [CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas", *defines,
+           str(HARNESS), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
     so = ctypes.CDLL(str(out))
@@ -45,7 +51,20 @@ def lib(tmp_path_factory):
     so.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [u64, ctypes.c_void_p, u64]
     so.rc_host_convert.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, u64]
     so.rc_host_misaligned.restype = u64
+    so.rc_host_probe.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double]
+    so.rc_host_probe.restype = ctypes.c_double
     return so
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return _build(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lib_cupy(tmp_path_factory):
+    """optimizer.cu's float and double as CuPy's NVRTC options make them (tests/csrc_harness.cpp)."""
+    return _build(tmp_path_factory, "-DRC_HOST_CUPY_OPTIONS")
 
 
 def ptr(a: np.ndarray) -> int:
@@ -268,3 +287,77 @@ def test_fused_adam_matches_reference(lib, pdt):
                 else:
                     want = bits(p.astype(odt))
                 np.testing.assert_array_equal(bits(out), want, err_msg=where)
+
+
+# ------------------------------------------------------------- fused Adam under CuPy's NVRTC options
+def test_cupy_options_model_flushes_and_fuses(lib, lib_cupy):
+    """The model is not vacuous: plain float code flushes and fuses under it, and is IEEE otherwise."""
+    assert lib.rc_host_cupy_options() == 0 and lib_cupy.rc_host_cupy_options() == 1
+    a, b, tiny = 1 + 2.0**-12, 1 + 2.0**-27, 2.0**-140  # a*a = 1 + 2^-11 + 2^-24: its float rounding drops 2^-24
+    cases = [  # (probe, x, y, z, IEEE, under -ftz=true -fmad=true)
+        (0, a, a, -(1 + 2.0**-11), 0.0, 2.0**-24),       # x*y + z fused into one fma
+        (1, 2.0**-70, 2.0**-70, 0, 2.0**-140, 0.0),       # subnormal result flushed
+        (1, tiny, 1, 0, tiny, 0.0),                       # subnormal input flushed
+        (2, tiny, 1, 0, tiny, 0.0),
+        (3, tiny, 0, 0, 2.0**-70, 0.0),                   # sqrtf
+        (4, tiny, 0, 0, tiny, 0.0),                       # (float)double
+        (5, tiny, 0, 0, tiny, 0.0),                       # (double)float
+        (6, b, b, -(1 + 2.0**-26), 0.0, 2.0**-54),        # double x*y + z fused too
+        (7, 2.0**-540, 2.0**-540, 0, 2.0**-1080, 2.0**-1080),  # no flush-to-zero for double
+    ]
+    for op, x, y, z, ieee, cupy in cases:
+        assert lib.rc_host_probe(op, x, y, z) == ieee, (op, x, y, z)
+        assert lib_cupy.rc_host_probe(op, x, y, z) == cupy, (op, x, y, z)
+
+
+def _with_tiny(rng: np.random.Generator, x: np.ndarray, lo: float = -149.0, hi: float = -118.0) -> np.ndarray:
+    """x with about a third of its elements replaced by +-2^e, e uniform in [lo, hi): float32's subnormals
+    and the normals just above them (float32 and bfloat16 subnormals, intermediates that underflow)."""
+    pick = rng.random(x.size) < 1 / 3
+    tiny = np.where(rng.random(x.size) < 0.5, -1.0, 1.0) * 2.0 ** rng.uniform(lo, hi, x.size)
+    return np.where(pick, tiny, x)
+
+
+@pytest.mark.parametrize("build", ["ieee", "cupy_options"])
+@pytest.mark.parametrize("pdt", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+def test_fused_adam_bitwise_equals_host_adam(request, build, pdt):
+    """csrc/optimizer.cu and ringcomm.zero.adam.adam_update agree bit for bit, also with optimizer.cu's
+    float and double as CuPy's options make them on the GPU (flush-to-zero, FMA contraction), on data
+    full of float32 subnormals and of sums whose FMA contraction would round differently."""
+    from ringcomm.zero.adam import adam_update
+
+    so = request.getfixturevalue("lib" if build == "ieee" else "lib_cupy")
+    rng = np.random.default_rng(29 + (pdt == np.float64))
+    n = 3001
+    lr, b1, b2, eps = 3e-3, 0.9, 0.999, 1e-8
+    subnormal_results = 0
+    for gdt in FLOATS:
+        for odt in [None] + FLOATS:
+            p0 = _with_tiny(rng, rng.standard_normal(n)).astype(pdt)
+            m0 = _with_tiny(rng, rng.standard_normal(n) * 1e-2).astype(pdt)
+            v0 = np.abs(_with_tiny(rng, rng.standard_normal(n) * 1e-3)).astype(pdt)
+            v0[rng.random(n) < 0.05] = 0
+            kernel, host = [p0.copy(), m0.copy(), v0.copy()], [p0.copy(), m0.copy(), v0.copy()]
+            for step, (wd, scale) in enumerate([(0.0, 1.0), (0.05, 0.37), (0.1, 1.0 / 3.0)], start=1):
+                g = _with_tiny(rng, rng.standard_normal(n) * 0.1).astype(gdt)
+                raw_o, out_k = guarded(odt or np.dtype(np.uint8), n, 1)
+                out_h = np.empty(n, odt) if odt is not None else None
+                s = np.array([lr, b1, b2, eps, 1.0 - lr * wd, 1.0 - b1**step, 1.0 - b2**step, scale], np.float64)
+                rc = so.rc_host_adam(DTYPES.index(pdt), DTYPES.index(gdt), -1 if odt is None else DTYPES.index(odt),
+                                     ptr(kernel[0]), ptr(g), ptr(kernel[1]), ptr(kernel[2]),
+                                     ptr(out_k) if odt is not None else 0, n, ptr(s), int(rng.choice([16, 64])))
+                assert rc == 0
+                with np.errstate(over="ignore"):  # out float16 may overflow to inf where v is 0
+                    adam_update(host[0], g, host[1], host[2], lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                weight_decay=wd, step=step, grad_scale=scale, out=out_h)
+                where = f"{build} build: master {pdt} grad {gdt} out {odt} step {step}"
+                for name, k, h in zip(("master", "exp_avg", "exp_avg_sq"), kernel, host):
+                    np.testing.assert_array_equal(bits(k), bits(h), err_msg=f"{name}, {where}")
+                if odt is None:
+                    assert (raw_o == 0xA5).all()
+                else:
+                    check_guards(raw_o, out_k)
+                    np.testing.assert_array_equal(bits(out_k), bits(out_h), err_msg=f"out, {where}")
+                f32 = host[0].astype(np.float32) if pdt == np.float64 else host[0]
+                subnormal_results += int(((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny)).sum())
+    assert subnormal_results > 1000  # the data reach float32's subnormal range, where -ftz=true would flush

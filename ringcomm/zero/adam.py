@@ -17,8 +17,9 @@ updated in place; every operation is done in their dtype, one rounding each, in 
 (the scalars ``1 - beta1``, ``1 - beta1 ** t``, ... are computed in float64, then rounded once to the master dtype);
 ``grad`` is converted first, so a float16/bfloat16 gradient is never multiplied in half precision.
 The CUDA kernel (``ringcomm.devices.cuda.fused_adam``, csrc/optimizer.cu) evaluates the same
-expressions in the same order: compiled for the host without FMA contraction the two agree bitwise
-(tests/test_zero.py); on a GPU, nvcc's FMA contraction may change the last bit.
+expressions in the same order, each operation rounded once (PTX that no compiler flag flushes to zero or
+fuses into an FMA), so the two agree bitwise, subnormals included (tests/test_zero.py,
+tests/test_csrc_host.py, which models CuPy's -ftz=true and NVRTC's -fmad=true).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def adam_update(
     u = np.empty_like(g)
     for a in range(0, n, HOST_CHUNK):
         # The kernel's order of operations (csrc/optimizer.cu), one rounding per operation, so that
-        # this loop and the kernel compiled without FMA contraction agree bitwise.
+        # this loop and the kernel agree bitwise.
         b = min(n, a + HOST_CHUNK)
         k = b - a
         p, m, v, gc, uc = master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g[:k], u[:k]
