@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 3): on a machine with one GPU and no internet, in about 6 minutes.
+# The prepared GPU check (issues 3 and 8): on a machine with one GPU and no internet, in at most
+# GPU_CHECK_BUDGET seconds (default 420: one 10-minute device call with room to rerun it).
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root; writes JSON/logs under $OUT if set
+#   bash benchmarks/gpu_check.sh            # from anywhere; writes logs and JSON under $OUT (or /tmp/ringcomm_gpu_check)
 #
-# 1. installs carried wheels if any (.whl/ or wheels/ in the repo root, or $WHEELS: e.g. mpich and
-#    mpi-pytest, which the GPU image lacks), then ringcomm itself (editable, no dependencies);
+# The GPU image lacks some of what the check needs. Carry these wheels in wheels/ (git-ignored), made on any
+# machine with internet by one command (the Python version is the image's: the first line this script prints):
+#
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d wheels mpich==5.0.2 mpi4py==4.1.2 mpi-pytest==2026.0 ml_dtypes==0.7.0 pytest==9.2.0 iniconfig==2.3.1 packaging==26.4 pluggy==1.7.0 pygments==2.21.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
+#
+# (11 wheels, 25 MB: MPICH and mpi4py, mpi-pytest, ml_dtypes, pytest and its four dependencies, NVIDIA's
+# cuda-bindings and cuda-pathfinder; numpy and CuPy come with the image.)
+#
+# 1. set-up: installs the carried wheels (.whl/, wheels/ or $WHEELS), prints what the results depend on (GPU,
+#    compute mode, MIG, MPS, /dev/shm, driver, CUDA, CuPy, NCCL and MPI versions, whether mpiexec is the MPI
+#    that mpi4py loaded), and stops at once, with one line, when something the steps need is missing;
 # 2. compiles the kernels once (NVRTC through CuPy; CuPy's disk cache keeps them for the ranks);
-# 3. runs the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
-# 4. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy vs cudaMemcpy and cupy.add);
+# 3. the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
+# 4. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
 # 5. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py);
-# 6. the GPU tests at N = 4, and tests/test_zero_gpu.py (last: a hang there cannot starve 4 and 5).
-# Every step has its own timeout, all within GPU_CHECK_BUDGET seconds (default 340); a failed step
-# does not stop the others. The summary table is printed last; the exit status is 0 only when every
-# step ran and passed. GPU_CHECK_NO_INSTALL=1 skips the pip installs (the source tree is used).
-# Multi-rank waits use RINGCOMM_TEST_TIMEOUT (default here 20 s), well inside each step's timeout,
-# so a hang ends as a ringcomm TimeoutError naming the collective, step and peer, not as a kill.
+# 6. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
+# 7. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
+# Each step has a limit (PLAN below); the limits and the set-up's add up to at most the budget, so no step is
+# cut short or skipped for time; a failed step does not stop the others. The summary table comes last; the exit
+# status is 0 only when every step ran and passed, 2 when the set-up found something missing.
+#
+# GPU_CHECK_NO_INSTALL=1: install nothing (use what is importable). GPU_CHECK_SETUP_ONLY=1: stop after the
+# set-up (a dry run; on a CPU with tests/emulated on PYTHONPATH it checks this script). The source tree is used
+# through PYTHONPATH (no pip install of ringcomm). Multi-rank waits use RINGCOMM_TEST_TIMEOUT (default here
+# 20 s), well inside each step's limit, so a hang ends as a ringcomm TimeoutError naming the collective, step
+# and peer, not as a kill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,86 +40,201 @@ LOG=$OUTDIR/gpu_check.log
 : >"$LOG"
 export PYTHONUNBUFFERED=1 RINGCOMM_TEST_TIMEOUT=${RINGCOMM_TEST_TIMEOUT:-20} PIP_DISABLE_PIP_VERSION_CHECK=1
 T0=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET:-340}  # seconds for everything; a step gets at most what is left of it
+BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
+
+# Every step's limit in seconds (first guesses: nothing has run on a GPU yet; the summary prints what each took).
+# The set-up's own commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, probe 15: 43 s).
+PLAN=(
+    "setup 45"
+    "compile 30"
+    "tests N=1 60"
+    "tests N=2 55"
+    "kernel bench 30"
+    "allreduce ipc vs staged 30"
+    "ringcomm-bench 75"
+    "tests N=3,4 65"
+    "zero GPU tests 30"
+)
+declare -A LIMIT=()
+TOTAL=0
+for entry in "${PLAN[@]}"; do
+    LIMIT[${entry% *}]=${entry##* }
+    TOTAL=$((TOTAL + ${entry##* }))
+done
 declare -a NAMES=() RCS=() SECS=()
 
 say() { echo "[gpu_check +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 
-# step NAME TIMEOUT_S CMD...: run with a timeout (capped by what is left of BUDGET), output to the log
+if [ "$TOTAL" -gt "$BUDGET" ]; then
+    say "gpu_check: the steps' limits add up to ${TOTAL}s, more than the budget of ${BUDGET}s (GPU_CHECK_BUDGET); nothing run"
+    exit 2
+fi
+say "budget ${BUDGET}s; the steps' limits add up to ${TOTAL}s"
+
+# step NAME CMD...: run CMD within NAME's limit (SIGTERM 5 s before it, SIGKILL at it), output to the log
 step() {
-    local name=$1 limit=$2
-    shift 2
+    local name=$1 limit=${LIMIT[$1]}
+    shift
     local t=$(date +%s) left=$((BUDGET - ($(date +%s) - T0)))
-    if [ "$left" -lt 15 ]; then
+    if [ "$left" -lt 10 ]; then  # cannot happen while the set-up keeps its limit; kept as a guard
         NAMES+=("$name") RCS+=("skipped") SECS+=(0)
-        say "== $name: skipped, the ${BUDGET}s budget is spent"
+        say "== $name: SKIPPED, the ${BUDGET}s budget is spent"
         return 0
     fi
     [ "$limit" -gt "$left" ] && limit=$left
-    say "== $name (timeout ${limit}s): $*"
-    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    say "== $name (limit ${limit}s): $*"
+    timeout -k 5 "$((limit - 5))" "$@" >>"$LOG" 2>&1
     local rc=$?
     NAMES+=("$name") RCS+=("$rc") SECS+=("$(($(date +%s) - t))")
-    [ "$rc" = 124 ] && say "   $name: TIMED OUT after ${limit}s"
+    [ "$rc" = 124 ] && say "   $name: TIMED OUT after $((limit - 5))s"
     say "   $name: rc=$rc in $(($(date +%s) - t))s"
     return 0
 }
 
 # ---------------------------------------------------------------------------------------- 1. set-up
 say "python: $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" || true
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS=$(timeout 8 nvidia-smi --format=csv,noheader \
+        --query-gpu=index,name,memory.total,driver_version,compute_mode,mig.mode.current,persistence_mode 2>&1)
+    say "GPU (index, name, memory, driver, compute mode, MIG, persistence):"
+    echo "$GPUS" | tee -a "$LOG"
+    echo "$GPUS" | grep -qi "exclusive" &&
+        say "WARNING: compute mode Exclusive_Process: one process per GPU, so ranks 2+ cannot use it (every multi-rank step fails)"
+    echo "$GPUS" | grep -qi "prohibited" && say "WARNING: compute mode Prohibited: no process can use the GPU"
+else
+    say "GPU: nvidia-smi not found (compute mode and driver unknown)"
+fi
+MPS_PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+if [ -e "$MPS_PIPE/control" ]; then
+    say "MPS: a control daemon runs (pipe in $MPS_PIPE): ranks on one GPU share it through MPS"
+else
+    say "MPS: no control daemon (no $MPS_PIPE/control): ranks on one GPU time-slice it" \
+        "($(command -v nvidia-cuda-mps-control >/dev/null 2>&1 && echo 'nvidia-cuda-mps-control is installed' || echo 'no nvidia-cuda-mps-control'))"
+fi
+say "/dev/shm: $(df -h /dev/shm 2>/dev/null | awk 'NR == 2 {print $2 " size, " $4 " free"}' || echo unknown)" \
+    "(MPI and NCCL between ranks of one node use it; under 1 GB can make NCCL fail)"
+
 # the MPI from the mpich wheel lands beside the interpreter: bin/ and lib/ of its prefix (not --target:
 # pip drops a wheel's data lib/ there, and libmpi.so.12 with it); if that prefix is read-only,
 # a --prefix of our own, reached through PYTHONPATH, PATH and LD_LIBRARY_PATH
 PREFIX=$($PY -c 'import sys; print(sys.prefix)')
-for dir in ${WHEELS:-} .whl wheels; do
-    if [ -d "$dir" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
-        say "installing carried wheels from $dir: $(cd "$dir" && ls *.whl | tr '\n' ' ')"
-        if ! $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$dir"/*.whl >>"$LOG" 2>&1; then
-            PREFIX=/tmp/ringcomm_prefix
-            SITE=$($PY -c "import sysconfig; print(sysconfig.get_path('purelib', 'posix_prefix', {'base': '$PREFIX', 'platbase': '$PREFIX'}))")
-            if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" "$dir"/*.whl \
-                >>"$LOG" 2>&1; then
-                export PYTHONPATH=$SITE:${PYTHONPATH:-}
-                say "   installed under $PREFIX (the interpreter's prefix is not writable)"
-            else
-                say "   (the wheels did not install; see the log)"
+if [ -z "${GPU_CHECK_NO_INSTALL:-}" ]; then
+    for dir in ${WHEELS:-} .whl wheels; do
+        if [ -d "$dir" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
+            say "installing carried wheels from $dir: $(cd "$dir" && ls *.whl | tr '\n' ' ')"
+            pipi() { timeout 10 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@" "$dir"/*.whl; }
+            if ! pipi >>"$LOG" 2>&1; then
+                PREFIX=/tmp/ringcomm_prefix
+                SITE=$($PY -c "import sysconfig; print(sysconfig.get_path('purelib', 'posix_prefix', {'base': '$PREFIX', 'platbase': '$PREFIX'}))")
+                if pipi --prefix "$PREFIX" >>"$LOG" 2>&1; then
+                    export PYTHONPATH=$SITE:${PYTHONPATH:-}
+                    say "   installed under $PREFIX (the interpreter's prefix is not writable)"
+                else
+                    say "   (the wheels did not install; see the log)"
+                fi
             fi
+            break
         fi
-        break
-    fi
-done
-export PATH=$PREFIX/bin:$PATH LD_LIBRARY_PATH=$PREFIX/lib:${LD_LIBRARY_PATH:-}
-if [ -n "${GPU_CHECK_NO_INSTALL:-}" ]; then
-    export PYTHONPATH=$ROOT:${PYTHONPATH:-}
-elif ! $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-    say "pip install -e . failed; using the source tree through PYTHONPATH"
-    export PYTHONPATH=$ROOT:${PYTHONPATH:-}
+    done
 fi
-$PY - <<'EOF' 2>&1 | tee -a "$LOG"
+export PATH=$PREFIX/bin:$PATH LD_LIBRARY_PATH=$PREFIX/lib:${LD_LIBRARY_PATH:-}
+export PYTHONPATH=$ROOT:${PYTHONPATH:-}
+
+# what the results depend on, and what is missing (the last line: "missing: ..." or "missing:")
+PROBE=$OUTDIR/setup_probe.txt
+timeout 15 $PY - >"$PROBE" 2>&1 <<'EOF'
 import importlib
-for name in ("cupy", "mpi4py.MPI", "pytest", "pytest_mpi", "ml_dtypes", "ringcomm"):
+import importlib.metadata
+import re
+import shutil
+import subprocess
+
+missing = []
+# module -> its distribution (what to carry)
+for name, dist in (("numpy", "numpy"), ("cupy", "cupy"), ("mpi4py.MPI", "mpi4py"), ("ml_dtypes", "ml_dtypes"),
+                   ("cuda.bindings.driver", "cuda-bindings"), ("pytest", "pytest"), ("pytest_mpi", "mpi-pytest"),
+                   ("ringcomm", "ringcomm")):
     try:
         m = importlib.import_module(name)
-        print(f"  {name:12s} {getattr(m, '__version__', '')} {getattr(m, '__file__', '')}")
+        version = getattr(importlib.import_module(name.split(".")[0]), "__version__", "")
+        try:
+            version = version or importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        print(f"  {name:22s} {version} {getattr(m, '__file__', '')}")
     except Exception as e:  # noqa: BLE001
-        print(f"  {name:12s} MISSING: {type(e).__name__}: {e}")
+        print(f"  {name:22s} MISSING: {type(e).__name__}: {e}")
+        missing.append("mpi4py (or libmpi: the mpich wheel)" if dist == "mpi4py" else dist)
+try:
+    print(f"  mpich wheel            {importlib.metadata.version('mpich')}")
+except importlib.metadata.PackageNotFoundError:
+    print("  mpich wheel            not installed (the MPI is the image's own)")
+try:
+    import cupy
+
+    rt = cupy.cuda.runtime
+    d, r = rt.driverGetVersion(), rt.runtimeGetVersion()
+    print(f"  CUDA: driver supports {d // 1000}.{d % 1000 // 10}, runtime {r // 1000}.{r % 1000 // 10}; "
+          f"CuPy {cupy.__version__}; {rt.getDeviceCount()} GPU(s)")
+    try:
+        from cupy.cuda import nccl
+
+        v = nccl.get_version()
+        b = nccl.get_build_version() if hasattr(nccl, "get_build_version") else v
+        f = lambda c: f"{c // 10000}.{c // 100 % 100}.{c % 100}"  # noqa: E731
+        print(f"  NCCL: {f(v)} (CuPy built with {f(b)}); several ranks on one GPU need 2.30+ "
+              f"(NCCL_MULTI_RANK_GPU_ENABLE)")
+    except Exception as e:  # noqa: BLE001
+        print(f"  NCCL: not available through CuPy ({type(e).__name__}: {e}); ringcomm-bench runs without it")
+except Exception as e:  # noqa: BLE001
+    print(f"  CUDA: unknown ({type(e).__name__}: {e})")
+
+
+def ident(text):
+    family = ("Intel MPI" if "Intel" in text else "Open MPI" if re.search(r"Open MPI|OpenRTE|PRRTE", text)
+              else "MPICH" if re.search(r"MPICH|HYDRA", text) else "?")
+    m = re.search(r"Version:?\s*v?(\d+\.\d+(?:\.\d+)?)", text) or re.search(r"\bv?(\d+\.\d+(?:\.\d+)?)\b", text)
+    return family, m.group(1) if m else "?"
+
+
 try:
     from mpi4py import MPI
-    print("  MPI library:", MPI.Get_library_version().splitlines()[0])
+
+    lib = MPI.Get_library_version()
+    print("  MPI library (mpi4py):", " ".join(lib.splitlines()[0].split()))
+    exe = shutil.which("mpiexec")
+    if exe is None:
+        missing.append("mpiexec (the mpich wheel)")
+        print("  mpiexec: not found")
+    else:
+        run = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=5)
+        text = run.stdout + run.stderr
+        a, b = ident(text), ident(lib)
+        same = "yes" if a == b and "?" not in a else "NO: multi-rank runs would start N separate 1-rank jobs"
+        print(f"  mpiexec: {exe}: {a[0]} {a[1]}; the library: {b[0]} {b[1]}; match: {same}")
     from ringcomm.transports.staged import cuda_aware_mpi
+
     print("  CUDA-aware MPI:", cuda_aware_mpi())
 except Exception as e:  # noqa: BLE001
     print("  MPI: unavailable:", e)
+print("missing:", ", ".join(dict.fromkeys(missing)))
 EOF
-HAVE_MPIEXEC=0
-command -v mpiexec >/dev/null 2>&1 && $PY -c "import pytest_mpi, mpi4py.MPI" >/dev/null 2>&1 && HAVE_MPIEXEC=1
-[ $HAVE_MPIEXEC = 1 ] || say "no mpiexec or mpi-pytest: multi-rank steps are skipped (carry the mpich and mpi-pytest wheels)"
-$PY -c "import mpi4py.MPI" >/dev/null 2>&1 || say "mpi4py.MPI does not import (no libmpi): ringcomm cannot import, every step below fails"
-no_mpi() { NAMES+=("$1") RCS+=("no-mpiexec") SECS+=(0); }
+PROBE_RC=$?
+sed '$d' "$PROBE" | tee -a "$LOG"
+MISSING=$(tail -n 1 "$PROBE" | sed -n 's/^missing: *//p')
+[ "$PROBE_RC" = 0 ] || MISSING=${MISSING:-"the set-up probe itself (rc $PROBE_RC, see $PROBE)"}
+if [ -n "$MISSING" ]; then
+    say "gpu_check: MISSING $MISSING: carry the wheels (the pip download command at the top of benchmarks/gpu_check.sh) in wheels/ and rerun"
+    exit 2
+fi
+if [ -n "${GPU_CHECK_SETUP_ONLY:-}" ]; then
+    say "set-up done in $(($(date +%s) - T0))s (limit ${LIMIT[setup]}s); GPU_CHECK_SETUP_ONLY=1: no steps run"
+    exit 0
+fi
+say "set-up done in $(($(date +%s) - T0))s (limit ${LIMIT[setup]}s)"
 
 # ----------------------------------------------------------------------------------- 2. compile once
-step compile 60 $PY -c "
+step compile $PY -c "
 import time; t = time.perf_counter()
 from ringcomm.devices import cuda; cuda.warm_up()
 print(f'kernels compiled (or loaded from the cache) in {time.perf_counter() - t:.1f} s')"
@@ -112,49 +242,38 @@ print(f'kernels compiled (or loaded from the cache) in {time.perf_counter() - t:
 # ------------------------------------------------------------------------------------- 3. GPU tests
 TESTLOG=$OUTDIR/gpu_tests.log
 : >"$TESTLOG"
-run_tests() {  # N timeout MARKEXPR: mpi-pytest marks a test parallel[n] for each of its nprocs
-    local n=$1 limit=$2 expr=$3
-    step "tests N=$n" "$limit" bash -o pipefail -c \
-        "$PY -m pytest tests/gpu -q -rs -p no:cacheprovider -m '$expr' 2>&1 | tee -a '$TESTLOG'"
+run_tests() {  # NAME MARKEXPR [FILES]: mpi-pytest marks a test parallel[n] for each of its nprocs
+    local name=$1 expr=$2 files=${3:-tests/gpu}
+    step "$name" bash -o pipefail -c \
+        "$PY -m pytest $files -q -rs -p no:cacheprovider ${expr:+-m '$expr'} 2>&1 | tee -a '$TESTLOG'"
 }
-# N=1: the unmarked kernel tests (tests/gpu/test_cuda_kernels.py) and the parallel[1] ones; without
-# mpi-pytest there are no parallel[n] marks, so only the kernel tests
-if [ $HAVE_MPIEXEC = 1 ]; then
-    run_tests 1 90 "not parallel or parallel[1]"
-    run_tests 2 60 "parallel[2]"
-else
-    run_tests 1 90 "not parallel"
-    no_mpi "tests N=2"
-fi
+# N=1: the unmarked kernel tests (tests/gpu/test_cuda_kernels.py) and the parallel[1] ones
+run_tests "tests N=1" "not parallel or parallel[1]"
+run_tests "tests N=2" "parallel[2]"
 
 # ------------------------------------------------------------------------------- 4. kernel benchmark
-step "kernel bench" 45 $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.json"
+step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.json"
 
 # ----------------------------------------------------------------- 5. all-reduce 1 GiB, IPC vs staged
-if [ $HAVE_MPIEXEC = 1 ]; then
-    step "allreduce ipc vs staged" 45 mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
-        --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
-else
-    no_mpi "allreduce ipc vs staged"
-fi
+step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
+    --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
 
-# ------------------------------------------------------------------- 6. N = 4, and ZeRO on the GPU
-if [ $HAVE_MPIEXEC = 1 ]; then
-    run_tests 4 75 "parallel[4]"
-else
-    no_mpi "tests N=4"
-fi
-if [ -f tests/test_zero_gpu.py ]; then
-    step "zero GPU tests" 45 bash -o pipefail -c \
-        "$PY -m pytest tests/test_zero_gpu.py -q -rs -p no:cacheprovider 2>&1 | tee -a '$TESTLOG'"
-fi
+# ------------------------------------------------------------ 6. ringcomm against NCCL and MPI, 2 ranks
+# the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured
+step "ringcomm-bench" bash -o pipefail -c "RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
+    --impl ringcomm,nccl,mpi -b 8 -e 64M --time-budget 1 --timeout 40 --json '$OUTDIR/bench.json' | tee '$OUTDIR/bench.txt'"
+
+# ------------------------------------------------------------------- 7. N = 3, 4, and ZeRO on the GPU
+run_tests "tests N=3,4" "parallel[3] or parallel[4]"
+run_tests "zero GPU tests" "" tests/test_zero_gpu.py
 
 # ------------------------------------------------------------------------------------------ summary
 {
     echo
     echo "================================ ringcomm GPU check summary ================================"
-    printf '%-26s %6s %7s\n' step rc seconds
-    for i in "${!NAMES[@]}"; do printf '%-26s %6s %7s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"; done
+    printf '%-26s %6s %7s %6s\n' step rc seconds limit
+    for i in "${!NAMES[@]}"; do printf '%-26s %6s %7s %6s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}" "${LIMIT[${NAMES[$i]}]}"; done
+    echo "total $(($(date +%s) - T0))s of the ${BUDGET}s budget"
     echo
     echo "pytest result lines (outer runs and each rank of the multi-rank ones):"
     grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$TESTLOG" | sed 's/^=* *//; s/ *=*$//' | sort | uniq -c | head -20
@@ -188,6 +307,33 @@ if os.path.exists(ar):
     t = {r["transport"]: r["median_s"] for r in rows}
     if "ipc" in t and "staged" in t:
         print(f"  staged / ipc = {t['staged'] / t['ipc']:.1f}x (target >= 5)")
+bj = os.path.join(out, "bench.json")
+if os.path.exists(bj):
+    doc = json.load(open(bj))
+    env = doc["environment"]
+    print(f"ringcomm-bench all_reduce, {env['ranks']} ranks, transport {env['transport']}; busbw GB/s out-of-place "
+          "(in-place), #wrong summed:")
+    for note in env.get("notes", []):
+        print(f"  {note}")
+    for text in env.get("footnotes", {}).values():
+        print(f"  {text}")
+    impls = list(dict.fromkeys(r["impl"] + r.get("mark", "") for r in doc["rows"]))
+    print(f"  {'size':>10} " + " ".join(f"{i:>17}" for i in impls))
+    by = {}
+    for r in doc["rows"]:
+        if r["collective"] == "all_reduce":
+            by.setdefault(r["size"], {})[r["impl"] + r.get("mark", "")] = r["results"]
+    for size in sorted(by):
+        if size and size & (size - 1) == 0 and size >= 1024 and (size.bit_length() - 1) % 2 == 0:
+            cells = []
+            for i in impls:
+                res = by[size].get(i, {})
+                o, p = res.get("out-of-place", {}), res.get("in-place", {})
+                fmt = lambda g: f"{g['busbw']:.1f}" if g.get("busbw") is not None else "-"  # noqa: E731
+                cells.append(f"{fmt(o):>7} ({fmt(p):>6})")
+            print(f"  {size:>10} " + " ".join(f"{c:>17}" for c in cells))
+    wrong = sum(g.get("wrong") or 0 for r in doc["rows"] for g in r["results"].values())
+    print(f"  wrong elements over every row: {wrong}")
 EOF
     echo "logs and JSON: $OUTDIR"
 } 2>&1 | tee -a "$LOG" | tee "$OUTDIR/summary.txt"

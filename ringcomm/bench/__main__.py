@@ -316,7 +316,7 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
             if not env.all_true(comm, nccl is not None):
                 notes.append(f"nccl: NCCL could not run: {why or 'not available on another rank'}")
                 continue
-            impl, why = NcclImpl.create(comm, cupy, nccl, stream, env.shared_gpu(comm, cupy))
+            impl, why = NcclImpl.create(comm, cupy, nccl, stream, env.ranks_per_gpu(comm, cupy), env.mps_status())
             if impl is None:
                 notes.append(f"nccl: NCCL could not run: {why}")
                 continue
@@ -328,6 +328,8 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
             out: Out) -> dict[str, Any]:
     """Print the header (nccl-tests' first lines, then ringcomm's) and return it as a dict for JSON."""
     nccl = next((i.nccl for i in impls if i.name == "nccl"), None)
+    if nccl is None and device == "cuda" and "nccl" in plan.impls:
+        nccl, _ = env.nccl_module()  # NCCL did not run: its version still goes in the header
     vers = env.versions(cupy, nccl)
     nodes, per_node = env.node_layout(comm)
     probe = xp.empty(16, plan.dtypes[0])
@@ -347,6 +349,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
         out(f"#   {impl.name:<8} : {impl.describe(probe, plan.dtypes)}")
     for note in notes:
         out(f"#   {note}")
+    footnotes = {i.name + i.mark: i.footnote for i in impls if getattr(i, "footnote", None)}
+    for text in footnotes.values():
+        out(f"# {text}")
     if any(i.name != "ringcomm" for i in impls) and any(i.name == "ringcomm" for i in impls):
         out("# ratio = ringcomm busbw / this row's busbw (= this row's time / ringcomm's time)")
     if plan.skipped:
@@ -363,7 +368,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     return {"ranks": comm.size, "nodes": nodes, "ranks_per_node": per_node, "device": device,
             "transport": transport, "versions": vers, "time": st.describe(), "ranks_detail": ranks,
             "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls}, "notes": notes,
-            "argv": plan.argv}
+            "footnotes": footnotes, "argv": plan.argv}
 
 
 def _settings_dict(plan: Plan) -> dict[str, Any]:

@@ -135,8 +135,24 @@ def select_gpu(comm: Any, cupy: Any) -> int:
     return dev
 
 
-def shared_gpu(comm: Any, cupy: Any) -> bool:
-    """Whether some GPU is used by more than one rank (same host and PCI bus id)."""
+def ranks_per_gpu(comm: Any, cupy: Any) -> int:
+    """The most ranks that use one GPU (same host and PCI bus id); 1 when every rank has its own.
+    Collective over ``comm``."""
     me = f"{socket.gethostname()}/{cupy.cuda.Device().pci_bus_id}"
     ids = gather_strings(comm, me)
-    return len(set(ids)) < len(ids)
+    return max(ids.count(i) for i in ids)
+
+
+def shared_gpu(comm: Any, cupy: Any) -> bool:
+    """Whether some GPU is used by more than one rank (same host and PCI bus id)."""
+    return ranks_per_gpu(comm, cupy) > 1
+
+
+def mps_status() -> str | None:
+    """Where this host's MPS control daemon listens ("control pipe in /tmp/nvidia-mps"), or None when
+    none runs (CUDA clients then time-slice a shared GPU). Cheap: looks for the daemon's pipe in
+    CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps); it does not start one."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    if os.path.exists(os.path.join(pipe, "control")):
+        return f"control pipe in {pipe}"
+    return None

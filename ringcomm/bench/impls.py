@@ -343,47 +343,122 @@ _NCCL_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint
                "float32": 7, "float64": 8, "bfloat16": 9}
 _NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 
+#: NCCL_UNIQUE_ID_BYTES
+NCCL_ID_BYTES = 128
+#: The forms ``cupy.cuda.nccl.get_unique_id()`` returns, as broadcast with the id: bytes (CuPy 14 and
+#: later), or a tuple of 128 C ``char`` values (CuPy before 14), signed (x86) or unsigned (ARM).
+ID_BYTES, ID_SIGNED, ID_UNSIGNED = 1, 2, 3
+#: The first NCCL that lets several ranks share one GPU (with NCCL_MULTI_RANK_GPU_ENABLE=1); older
+#: versions refuse such communicators ("Duplicate GPU detected", ncclInvalidUsage).
+MULTI_RANK_GPU_MIN = (2, 30)
+
+
+def unique_id_bytes(uid: Any) -> tuple[bytes, int]:
+    """(the 128 bytes, the form) of what ``nccl.get_unique_id()`` returned: ``bytes`` (CuPy 14+) or a
+    tuple of 128 ``char`` values (CuPy < 14; negative where ``char`` is signed). ValueError otherwise."""
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        raw, form = bytes(uid), ID_BYTES
+    else:
+        values = [int(v) for v in uid]
+        if any(not -128 <= v <= 255 for v in values):
+            raise ValueError("ncclGetUniqueId gave values outside a C char's range")
+        raw = bytes(v & 0xFF for v in values)
+        form = ID_SIGNED if any(v < 0 for v in values) else ID_UNSIGNED
+    if len(raw) != NCCL_ID_BYTES:
+        raise ValueError(f"ncclGetUniqueId gave {len(raw)} bytes; an ncclUniqueId has {NCCL_ID_BYTES}")
+    return raw, form
+
+
+def unique_id_for(raw: bytes, form: int) -> bytes | tuple[int, ...]:
+    """The id in the form this CuPy's ``NcclCommunicator(ndev, commId, rank)`` takes: the form its
+    ``get_unique_id()`` gave (CuPy 14 checks for bytes of length 128; older CuPy wants the tuple)."""
+    if form == ID_BYTES:
+        return bytes(raw)
+    if form == ID_SIGNED:
+        return tuple(b - 256 if b > 127 else b for b in raw)
+    return tuple(raw)
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    return tuple(int(x) for x in version.split(".")[:2])  # type: ignore[return-value]
+
 
 class NcclImpl:
-    """NCCL through CuPy's ``cupy.cuda.nccl`` on the same device buffers and stream as ringcomm."""
+    """NCCL through CuPy's ``cupy.cuda.nccl`` on the same device buffers and stream as ringcomm.
+
+    ``mark`` ("*" or "") follows the name in the table when ranks share a GPU, and ``footnote``
+    (a header line, or None) says what that means for its times."""
 
     name = "nccl"
 
     def __init__(self, nccl: Any, ncomm: Any, stream: Any, version: str) -> None:
         self.nccl, self.ncomm, self.stream, self.version = nccl, ncomm, stream, version
-        self._v = tuple(int(x) for x in version.split(".")[:2])
+        self._v = _version_tuple(version)
+        self.mark, self.footnote = "", None
 
     @classmethod
-    def create(cls, comm: Any, cupy: Any, nccl: Any, stream: Any, shared_gpu: bool) -> tuple[NcclImpl | None, str]:
+    def create(cls, comm: Any, cupy: Any, nccl: Any, stream: Any, ranks_per_gpu: int = 1,
+               mps: str | None = None) -> tuple[NcclImpl | None, str]:
         """Set NCCL up on every rank, or on none: (impl, "") or (None, why NCCL could not run).
 
-        Collective over ``comm``. When ranks share a GPU, NCCL_MULTI_RANK_GPU_ENABLE=1 is set first
-        (NCCL refuses such communicators otherwise).
+        Collective over ``comm``. ``ranks_per_gpu``: the most ranks that share one GPU; when more than
+        one, NCCL_MULTI_RANK_GPU_ENABLE=1 is set first unless already set (NCCL 2.30+ refuses such
+        communicators otherwise, older NCCL always), and the impl is marked (``mps``: how the ranks
+        share the GPU through MPS, None when they time-slice it). The reason names NCCL's version, the
+        rank and NCCL's own error. The unique id goes to the other ranks as its 128 bytes, and is
+        handed to ``NcclCommunicator`` in the form this CuPy's ``get_unique_id`` returned.
         """
-        from .env import all_true, nccl_version
+        from .env import gather_strings, nccl_version
 
-        if shared_gpu:
+        version = nccl_version(nccl)
+        shared = ranks_per_gpu > 1
+        if shared:
             os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-        uid = np.zeros(128, np.int64)
+        msg = np.zeros(2 + NCCL_ID_BYTES, np.uint8)  # ok, form, the id
         why = ""
         if comm.rank == 0:
             try:
-                uid[:] = nccl.get_unique_id()
+                raw, form = unique_id_bytes(nccl.get_unique_id())
+                msg[0], msg[1], msg[2:] = 1, form, np.frombuffer(raw, np.uint8)
             except Exception as e:
-                why = f"ncclGetUniqueId failed: {e}"
-        comm.broadcast(uid, 0)
-        if not all_true(comm, uid.any()):
-            return None, why or "ncclGetUniqueId failed on rank 0"
+                why = f"ncclGetUniqueId failed on rank 0 ({type(e).__name__}: {e})"
+        comm.broadcast(msg, 0)
+        if not msg[0]:
+            return None, f"NCCL {version}: {why or 'ncclGetUniqueId failed on rank 0'}"
         ncomm = None
         try:
-            ncomm = nccl.NcclCommunicator(comm.size, tuple(int(v) for v in uid), comm.rank)
+            ncomm = nccl.NcclCommunicator(comm.size, unique_id_for(msg[2:].tobytes(), int(msg[1])), comm.rank)
         except Exception as e:
-            why = f"ncclCommInitRank failed on rank {comm.rank}: {e}"
-        if not all_true(comm, ncomm is not None):
+            why = f"ncclCommInitRank failed on rank {comm.rank} ({type(e).__name__}: {e})"
+        whys = [w for w in gather_strings(comm, why) if w]  # every rank's reason, so rank 0 can say it
+        if whys:
             if ncomm is not None:
                 ncomm.destroy()
-            return None, why or "ncclCommInitRank failed on another rank"
-        return cls(nccl, ncomm, stream, nccl_version(nccl)), ""
+            return None, f"NCCL {version}: {whys[0]}{cls._shared_gpu_hint(version, ranks_per_gpu)}"
+        impl = cls(nccl, ncomm, stream, version)
+        if shared:
+            impl.mark = "*"
+            if mps:
+                impl.footnote = (f"nccl*: {ranks_per_gpu} ranks share one GPU through MPS ({mps}); its times are "
+                                 "not those of separate GPUs")
+            else:
+                impl.footnote = (f"nccl*: {ranks_per_gpu} ranks time-slice one GPU without MPS; NCCL's kernels "
+                                 "spin, so its times are not those of separate GPUs")
+        return impl, ""
+
+    @staticmethod
+    def _shared_gpu_hint(version: str, ranks_per_gpu: int) -> str:
+        """Why NCCL may have refused: several ranks on one GPU."""
+        if ranks_per_gpu < 2:
+            return ""
+        need = ".".join(map(str, MULTI_RANK_GPU_MIN))
+        if _version_tuple(version) < MULTI_RANK_GPU_MIN:
+            return (f"; {ranks_per_gpu} ranks share a GPU here, which NCCL before {need} refuses "
+                    f"(NCCL_MULTI_RANK_GPU_ENABLE needs NCCL {need} or later)")
+        setting = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
+        if setting != "1":
+            return f"; {ranks_per_gpu} ranks share a GPU here, and NCCL_MULTI_RANK_GPU_ENABLE={setting} (1 allows it)"
+        return f"; {ranks_per_gpu} ranks share a GPU here (NCCL_MULTI_RANK_GPU_ENABLE=1)"
 
     def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
         """One header line."""

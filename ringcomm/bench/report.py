@@ -83,7 +83,7 @@ def format_row(row: Row, layout: Layout, reference: str = "ringcomm") -> str:
     """One data line of the table."""
     keys = [str(row.nbytes), str(row.count), row.type, row.redop, str(row.root)]
     if layout.multi:
-        keys.append(row.impl)
+        keys.append(row.impl + row.mark)
     line = cells(layout.keys(), keys)
     for mode in MODES:
         line += cells(layout.group(), _group_cells(row.results[mode], layout, row.impl == reference))
@@ -99,7 +99,8 @@ def footer(rows: Sequence[Row], impls: Sequence[str], check: bool, iters: int, w
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
              f"# Avg bus bandwidth    : {average_busbw(rows, main):.6g} "]
     if len(impls) > 1:
-        per = ", ".join(f"{name} {average_busbw(rows, name):.4g}" for name in impls)
+        marks = {row.impl: row.mark for row in rows}
+        per = ", ".join(f"{name}{marks.get(name, '')} {average_busbw(rows, name):.4g}" for name in impls)
         lines.append(f"# Avg bus bandwidth by implementation (GB/s): {per}")
     if not check:
         lines.append("# Results not checked (--check 0)")
@@ -107,7 +108,7 @@ def footer(rows: Sequence[Row], impls: Sequence[str], check: bool, iters: int, w
     for row in rows:
         for mode, res in row.results.items():
             if res.note:
-                notes[f"{row.impl} {mode}: {res.note}"] = None
+                notes[f"{row.impl}{row.mark} {mode}: {res.note}"] = None
     lines += [f"# N/A: {n}" for n in notes]
     note = budget_note(rows, iters, warmup)
     if note:

@@ -103,6 +103,7 @@ class Row:
     root: int
     impl: str
     results: dict[str, Result]
+    mark: str = ""  # printed after the impl name ("*": see the implementation's footnote in the header)
 
 
 class Watchdog:
@@ -382,7 +383,8 @@ class Runner:
                     wrong=int(wrong[k]) if self.settings.check else None, iters=m.iters, warmup=m.warmup,
                 )
                 k += 1
-            rows.append(Row(case.collective, case.nbytes, case.count, typ, redop, case.root, impl.name, results))
+            rows.append(Row(case.collective, case.nbytes, case.count, typ, redop, case.root, impl.name, results,
+                            getattr(impl, "mark", "")))
         add_ratios(rows)
         return rows
 

@@ -17,6 +17,8 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   query or synchronize, a stream waiting on an event, or a copy to the host), never earlier. A
   missing wait in a transport then reads stale data, as it might on a GPU.
   RINGCOMM_EMULATED_JITTER=<ms> also delays some queued work at random, so ranks drift apart.
+- NCCL: ``cupy.cuda.nccl`` (_nccl.py) with CuPy 14's signatures, its collectives done with MPI and
+  queued on the given stream; RINGCOMM_EMULATED_NCCL_VERSION picks the NCCL version it reports.
 """
 
 from __future__ import annotations
@@ -183,6 +185,10 @@ class Stream:
         if stream is not None:
             self._enqueue(lambda: stream._flush(marker))
 
+    def use(self) -> Stream:
+        _current[:] = [self]
+        return self
+
     def __enter__(self) -> Stream:
         _current.append(self)
         return self
@@ -241,6 +247,10 @@ class Device:
 
     def use(self) -> None:
         pass
+
+    #: one emulated GPU per node: every rank of a node sees the same PCI bus id (the shared-GPU test)
+    pci_bus_id = "0000:00:00.0"
+    compute_capability = "90"
 
     def synchronize(self) -> None:
         _flush_all()
@@ -387,9 +397,12 @@ class ndarray:
     def all(self):
         return self.get().all()
 
-    def get(self) -> np.ndarray:
+    def get(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
         _flush_all()
-        return self._np().copy()
+        if out is None:
+            return self._np().copy()
+        out[...] = self._np()  # CuPy's get(out=...): into a host array of the same shape
+        return out
 
     def set(self, arr: np.ndarray) -> None:
         _flush_all()
@@ -596,6 +609,10 @@ runtime = types.SimpleNamespace(
     memcpyAsync=_memcpyAsync, memcpyDeviceToHost=2, memcpyHostToDevice=1, memcpyDeviceToDevice=3,
     ipcGetMemHandle=_ipcGetMemHandle, ipcOpenMemHandle=_ipcOpenMemHandle, ipcCloseMemHandle=_ipcCloseMemHandle,
     CUDARuntimeError=CUDARuntimeError, deviceSynchronize=_flush_all,
+    # versions encoded as CUDA does (1000 * major + 10 * minor); the properties ringcomm.bench prints
+    runtimeGetVersion=lambda: 13000, driverGetVersion=lambda: 13000,
+    getDeviceProperties=lambda dev: {"name": b"Emulated GPU (CPU stand-in)", "multiProcessorCount": _SM_COUNT,
+                                     "major": 9, "minor": 0, "totalGlobalMem": 1 << 34, "pciBusID": 0},
 )
 driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2)
 
@@ -631,3 +648,18 @@ def _install_driver() -> None:
 
 
 _install_driver()
+
+
+def _install_nccl() -> None:
+    """``cupy.cuda.nccl`` (tests/emulated/cupy/_nccl.py): importable as CuPy's is, both as
+    ``importlib.import_module("cupy.cuda.nccl")`` and ``from cupy.cuda import nccl``."""
+    import sys
+
+    from . import _nccl
+
+    cuda.nccl = _nccl
+    sys.modules.setdefault(__name__ + ".cuda", cuda)
+    sys.modules[__name__ + ".cuda.nccl"] = _nccl
+
+
+_install_nccl()
