@@ -14,8 +14,10 @@ setup(
     install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3"],
     extras_require={
         "test": ["pytest>=7", "mpi-pytest>=2025.0", "hypothesis>=6", "mpich", "matplotlib>=3.6"],
-        "cuda": ["cupy-cuda13x>=14"],
-        "cuda12": ["cupy-cuda12x>=14"],
+        # [ctk]: NVRTC and the CUDA headers from PyPI (a machine with only a driver has neither);
+        # cuda-bindings: the driver calls CuPy does not wrap (cuMemGetAddressRange, pointer attributes)
+        "cuda": ["cupy-cuda13x[ctk]>=14", "cuda-bindings>=13,<14"],
+        "cuda12": ["cupy-cuda12x[ctk]>=14", "cuda-bindings>=12,<13"],
         "plot": ["matplotlib>=3.6"],
     },
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench.__main__:main"]},

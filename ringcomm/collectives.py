@@ -64,10 +64,12 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
-        plan, fold = comm._gather_plan(ctx, kind, count)
+        plan, fold, reused = comm._gather_plan(ctx, kind, count)
+        reused.take(device, plan.buf.nbytes)  # after the previous call's use (maybe on another stream)
         device.copy(plan.buf[r * count : (r + 1) * count], src)
         comm._run_plan(ctx, count, plan)
         fold(ctx, work)
+        reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))
@@ -79,12 +81,13 @@ def reduce_scatter(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, strea
     kind, src, device = _input(comm, x, "x", op, stream)
     bounds = comm.shard_bounds(src.size)
     lo, hi = bounds[comm.rank]
-    result = _output(out, kind, src.dtype, hi - lo) if out is not None else device.xp.empty(hi - lo, src.dtype)
+    result = _output(out, kind, src.dtype, hi - lo) if out is not None else device.empty(hi - lo, src.dtype)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     work = comm._scratch_array(kind, device, src.size, src.dtype)
     steps = schedule.reduce_scatter(comm.size, comm.rank)
     comm._run(ctx, kind, src.size, steps, bounds, work, src, result_chunks=[comm.rank])
     device.copy(result, work[lo:hi])
+    comm._scratch_done(kind, device)
     return out if out is not None else result
 
 
@@ -111,7 +114,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         agreed = True
         stops = np.cumsum(sizes)
         bounds = [(int(b - s), int(b)) for b, s in zip(stops, sizes)]
-        work = device.xp.empty(int(stops[-1]), src.dtype)
+        work = device.empty(int(stops[-1]), src.dtype)
         lo, hi = bounds[r]
     if relation(work[lo:hi], src) != "same":
         device.copy(work[lo:hi], src)
@@ -156,6 +159,7 @@ def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None
         ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root
     )
     if not is_root:
+        comm._scratch_done(kind, device)
         return None
     return x if out is None else out
 

@@ -151,6 +151,8 @@ class Communicator:
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()
+        for reused in self._scratch.values():
+            reused.free()
         self._scratch.clear()
         self.node_comm.Free()
         self.mpi.Free()
@@ -175,12 +177,16 @@ class Communicator:
         return self._host if kind == "host" else devices.get(kind, stream)
 
     def _scratch_array(self, kind: str, device: Any, count: int, dtype: np.dtype) -> Any:
-        """A scratch array of ``count`` elements, reusing (and growing) one buffer per ``kind`` key."""
-        need = count * np.dtype(dtype).itemsize
-        buf = self._scratch.get(kind)
-        if buf is None or buf.size < need:
-            buf = self._scratch[kind] = device.empty(max(need, 1), "u1")
-        return buf[:need].view(dtype)
+        """A scratch array of ``count`` elements over one reused buffer per ``kind`` (grown when
+        needed), ordered after its use by the previous call; call :meth:`_scratch_done` after the
+        call's last use of it."""
+        reused = self._scratch.get(kind)
+        if reused is None:
+            reused = self._scratch[kind] = devices.Reused()
+        return reused.take(device, count * np.dtype(dtype).itemsize).view(dtype)
+
+    def _scratch_done(self, kind: str, device: Any) -> None:
+        self._scratch[kind].done(device)
 
     def _usable(self) -> None:
         if self._aborted:
@@ -231,9 +237,11 @@ class Communicator:
             lambda: execute(ctx, steps, bounds, work, src, transport, result_chunks),
         )
 
-    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any]:
-        """The cached (Plan, Fold) of a small all-reduce of ``count`` elements: the plan all-gathers
-        N whole buffers into a buffer of its own, the fold reduces them into the result.
+    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any]:
+        """The cached (Plan, Fold, Reused) of a small all-reduce of ``count`` elements: the plan
+        all-gathers N whole buffers into a buffer of its own (the Reused), the fold reduces them
+        into the result. The caller takes the buffer (ordering its stream after the buffer's last
+        use) before the call and marks it done after the fold.
 
         Each plan owns N·count elements (at most N·small_bytes bytes); at most PLAN_LIMIT are kept
         (all freed, between collectives, when there would be more).
@@ -244,17 +252,19 @@ class Communicator:
             if len(self._plans) >= PLAN_LIMIT:
                 self._free_plans()
             n = self.size
-            blocks = ctx.device.empty(n * count, ctx.dtype)
+            reused = devices.Reused()
+            blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
             plan = Plan(ctx, schedule.all_gather(n, self.rank), schedule.blocks(count, n), blocks, self._transport(kind))
-            cached = self._plans[key] = (plan, Fold(blocks, count, schedule.partition(count, n), n))
+            cached = self._plans[key] = (plan, Fold(blocks, count, schedule.partition(count, n), n), reused)
         return cached
 
     def _run_plan(self, ctx: Context, count: int, plan: Any) -> None:
         self._launch(ctx, count, -1, False, "gather-fold", plan.transport, len(plan.steps), lambda: plan.run(ctx))
 
     def _free_plans(self) -> None:
-        for plan, _ in self._plans.values():
+        for plan, _, reused in self._plans.values():
             plan.free()
+            reused.free()
         self._plans.clear()
 
     def _launch(

@@ -130,7 +130,7 @@ def kernel_on_host(tmp_path_factory):
                                      (np.float64, np.float64)], ids=str)
 def test_host_adam_bitwise_equals_kernel_arithmetic(kernel_on_host, mdt, gdt, seed):
     """The host loop and the fused kernel implement one formula in one order: bitwise equal results
-    (on the GPU, FMA contraction may change the last bit)."""
+    (on the GPU too: every kernel operation is rounded once, with no flush to zero and no FMA)."""
     codes = {np.dtype(np.float16): 0, ringcomm.bfloat16: 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
     ptr = lambda a: a.__array_interface__["data"][0]  # noqa: E731
     rng = np.random.default_rng(seed)

@@ -1,7 +1,9 @@
 """Devices reduce and copy bytes: ``host`` (numpy) and ``cuda`` (ringcomm's kernels from csrc/).
 
-Both implement the same small protocol, used by the engine:
-``reduce(dst, a, b, op, div=1)``, ``copy(dst, src)``, ``empty(count, dtype)``, ``synchronize()``.
+Both implement the same small protocol, used by the engine and the transports:
+``reduce(dst, a, b, op, div=1)``, ``copy(dst, src)``, ``empty(count, dtype)``,
+``synchronize(ctx, step, peer, what)`` (a wait with the communicator's deadline), and for
+:class:`Reused` buffers ``after(last)``, ``record(last)``, ``retire(buf, last)``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,46 @@ from __future__ import annotations
 from typing import Any
 
 from .host import HostDevice
+
+
+class Reused:
+    """A buffer that a Communicator or a transport keeps and reuses across calls (scratch space).
+
+    GPU calls may come on different streams (``stream=``), and a call returns while its kernels
+    may still run: the next call must not write the buffer before they are done. :meth:`take`
+    makes the calling device's stream wait for the event of the buffer's last use (recorded by
+    :meth:`done` at the end of each call), so the ordering stays on the GPU; a buffer that is
+    outgrown (or :meth:`free`'d) is dropped only once its last use has completed, since CuPy's
+    stream-aware pool hands freed memory to the next allocation on the stream it was made on.
+    On the host all of this costs nothing: host operations are complete when they return.
+    """
+
+    __slots__ = ("buf", "_last", "_device")
+
+    def __init__(self) -> None:
+        self.buf = None
+        self._last = None
+        self._device = None
+
+    def take(self, device: Any, nbytes: int) -> Any:
+        """A uint8 array of ``nbytes`` over the buffer (grown if needed), safe to use on ``device``'s stream."""
+        if self.buf is None or self.buf.size < nbytes:
+            self.free()
+            self.buf = device.empty(max(nbytes, 1), "u1")  # new memory, on this call's stream
+        else:
+            device.after(self._last)
+        self._device = device
+        return self.buf[:nbytes]
+
+    def done(self, device: Any) -> None:
+        """Record the end of this call's use (after the last operation queued on it)."""
+        self._last = device.record(self._last)
+
+    def free(self) -> None:
+        """Drop the buffer (kept alive until its last use has completed)."""
+        if self.buf is not None:
+            self._device.retire(self.buf, self._last)
+        self.buf = self._last = None
 
 
 def get(kind: str, stream: Any = None):
@@ -25,4 +67,4 @@ def get(kind: str, stream: Any = None):
     raise ValueError(f"unknown device kind {kind!r}; accepted: host, cuda")
 
 
-__all__ = ["HostDevice", "get"]
+__all__ = ["HostDevice", "Reused", "get"]

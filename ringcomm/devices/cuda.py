@@ -112,8 +112,20 @@ def _require_cupy() -> Any:
     return cupy
 
 
+#: what a machine with only an NVIDIA driver lacks to compile the kernels, and how to get it
+NVRTC_FIX = (
+    "ringcomm compiles its kernels at run time with NVRTC, which needs NVRTC and the CUDA headers: "
+    "pip install 'ringcomm[cuda]' (cupy-cuda13x[ctk], for a CUDA 13 driver) or 'ringcomm[cuda12]' "
+    "(cupy-cuda12x[ctk]), which bring them from PyPI, or install a CUDA toolkit and set CUDA_PATH"
+)
+
+
 def kernel(file: str, name: str) -> Any:
-    """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC)."""
+    """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC).
+
+    A compilation that fails (no NVRTC library, no CUDA headers) raises RuntimeError saying how
+    to install what is missing.
+    """
     k = _kernels.get(name)
     if k is None:
         cp = _require_cupy()
@@ -121,7 +133,10 @@ def kernel(file: str, name: str) -> Any:
             mod = _modules.get(file)
             if mod is None:
                 mod = _modules[file] = cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
-            k = _kernels[name] = mod.get_function(name)
+            try:
+                k = _kernels[name] = mod.get_function(name)  # CuPy compiles here, on first use
+            except Exception as e:  # noqa: BLE001 - CuPy raises RuntimeError, CompileException, ...
+                raise RuntimeError(f"compiling csrc/{file} failed ({type(e).__name__}: {e}). {NVRTC_FIX}") from e
     return k
 
 
@@ -171,6 +186,21 @@ def pointer(a: Any) -> int:
 
 def _u64(x: int) -> np.uint64:
     return np.uint64(x)
+
+
+class LastUse:
+    """The event recorded after the last use of a reused buffer, and the stream it was recorded on
+    (see :class:`ringcomm.devices.Reused`)."""
+
+    __slots__ = ("event", "stream_ptr")
+
+    def __init__(self) -> None:
+        self.event = cupy.cuda.Event(block=False, disable_timing=True)
+        self.stream_ptr = None
+
+
+#: outgrown or dropped reused buffers, each kept until the event of its last use has completed
+_retired: list[tuple[Any, LastUse]] = []
 
 
 # ----------------------------------------------------------------------------------------- device
@@ -231,13 +261,45 @@ class CudaDevice:
         k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(src)), _u64(nbytes)), stream=self.stream)
 
     def empty(self, count: int, dtype: Any) -> Any:
-        """A new device array (CuPy's pool) for scratch; callers keep and reuse it (made on first use, or to grow)."""
-        with self.xp.cuda.Device(self.device_id):
+        """A new device array from CuPy's pool, allocated on this device's stream.
+
+        CuPy's pool is stream-aware: memory freed by an array goes back to the stream it was
+        allocated on, and is reused only by later allocations on that stream, which are ordered
+        after its last use there. An array written on this stream must be allocated on it.
+        """
+        with self.xp.cuda.Device(self.device_id), self.stream:
             return self.xp.empty(int(count), dtype)
 
-    def synchronize(self) -> None:
-        """Block until everything queued on the stream is done."""
-        self.stream.synchronize()
+    def synchronize(self, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
+        """Wait until everything queued on the stream is done, polling an event within the
+        communicator's deadline (:func:`ringcomm.transports.base.wait_until`): a hung kernel or
+        a stream waiting on a stuck neighbour raises ringcomm.TimeoutError instead of hanging."""
+        from ..transports.base import wait_until
+
+        event = self.xp.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        wait_until(lambda: event.done, ctx, step, peer, what, *args)
+
+    # ---- reused buffers (ringcomm.devices.Reused): ordered across the streams of successive calls
+    def after(self, last: LastUse | None) -> None:
+        """Make this device's stream wait for ``last`` (a no-op on the stream that recorded it)."""
+        if last is not None and last.stream_ptr is not None and last.stream_ptr != self.stream.ptr:
+            self.stream.wait_event(last.event)
+
+    def record(self, last: LastUse | None) -> LastUse:
+        """Record the end of this call's use of a reused buffer on the stream (in ``last``, or a new one)."""
+        if last is None:
+            last = LastUse()
+        last.event.record(self.stream)
+        last.stream_ptr = self.stream.ptr
+        return last
+
+    @staticmethod
+    def retire(buf: Any, last: LastUse | None) -> None:
+        """Drop the reused buffer ``buf`` once its last use has completed (kept alive until then)."""
+        _retired[:] = [(b, u) for b, u in _retired if not u.event.done]
+        if last is not None and last.stream_ptr is not None and not last.event.done:
+            _retired.append((buf, last))
 
 
 # ------------------------------------------------------------------------------------- fused Adam

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..ops import HALF_DTYPES, UFUNCS, ReduceOp
@@ -40,8 +42,19 @@ class HostDevice:
         """A new scratch array (callers keep and reuse it: it is made on first use, or to grow)."""
         return np.empty(count, dtype)
 
-    def synchronize(self) -> None:
+    def synchronize(self, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
         """Nothing to wait for: every host operation is complete when it returns."""
+
+    # reused buffers (ringcomm.devices.Reused): host operations are complete when they return
+    def after(self, last: None) -> None:
+        """Nothing to order."""
+
+    def record(self, last: None) -> None:
+        """Nothing to record."""
+
+    @staticmethod
+    def retire(buf: np.ndarray, last: None) -> None:
+        """Nothing to wait for before ``buf`` goes."""
 
     def _scratch(self, count: int) -> np.ndarray:
         if self._f32.size < count:

@@ -20,15 +20,26 @@ waits; no kernel ever waits on a flag, so ranks that share one GPU cannot deadlo
   the steps before k; and ``end()`` waits for all of them, so when a collective returns the
   neighbours no longer read this rank's memory.
 
+Lifetime of exported memory: CUDA leaves freeing an allocation that another process still maps
+undefined, and CuPy's pool frees cached blocks on its own (``free_all_blocks()``, and before
+retrying an allocation that ran out of memory). So every allocation a rank exports stays pinned
+(a reference to the array it was exported for keeps the pool from freeing it) until its right
+neighbour reports the mapping closed: at every collective's start the right sends the handles it
+closed since the last one (mappings evicted from its cache beyond MAX_MAPPINGS, least recently
+used first), and at ``close()`` it closes all of them and says so before its left drops any pin.
+This holds device memory: at most MAX_MAPPINGS allocations per neighbour that the user has
+already dropped, until they are evicted or the communicator is closed.
+
 Set-up failures (an export, an exchange or an open fails on any rank) are agreed on by all ranks
 at the start of each collective (one small all-reduce); then every rank switches to the staged
-transport, with a warning, for this collective and the ones after it.
+transport, with a warning, for this collective and the ones after it. The driver queries CuPy
+does not wrap (cuMemGetAddressRange, cuPointerGetAttribute) go through NVIDIA's cuda-bindings,
+with the array's device made current first; a failing query is logged once.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import threading
 import warnings
@@ -42,7 +53,7 @@ from .staged import EventPool, StagedTransport, wait_event
 
 log = logging.getLogger("ringcomm")
 
-TAG_HANDLES, TAG_READY, TAG_DONE = 41, 42, 43
+TAG_HANDLES, TAG_READY, TAG_DONE, TAG_RELEASED = 41, 42, 43, 44
 SRC, WORK, SCRATCH = 0, 1, 2
 #: descriptor words per buffer slot: state, offset in allocation, nbytes, allocation size, 8 words of handle
 _DESC = 12
@@ -52,41 +63,72 @@ SCRATCH_MIN_BYTES = 1 << 20
 #: opened neighbour allocations kept mapped (least recently used ones are closed beyond this)
 MAX_MAPPINGS = 64
 
-# CUpointer_attribute values (cuda.h)
-_ATTR_BUFFER_ID, _ATTR_IS_LEGACY_IPC_CAPABLE = 7, 10
+#: handle slots in one "released" message (more wait for the next collective)
+RELEASE_SLOTS = 8
 
 
 class _Driver:
-    """The two CUDA driver queries CuPy does not wrap, through ctypes on libcuda."""
+    """The CUDA driver queries CuPy does not wrap, through NVIDIA's cuda-bindings (``cuda.bindings.driver``).
+
+    A failing call is logged once per function and CUDA result (at WARNING), with the result's name.
+    """
 
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.range = self.lib.cuMemGetAddressRange_v2
-        self.range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        self.range.restype = ctypes.c_int
-        self.attr = self.lib.cuPointerGetAttribute
-        self.attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-        self.attr.restype = ctypes.c_int
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:
+            raise RuntimeError(
+                "CUDA IPC needs NVIDIA's cuda-bindings (cuda.bindings.driver) for cuMemGetAddressRange and "
+                f"cuPointerGetAttribute: pip install 'ringcomm[cuda]' ({e})"
+            ) from e
+        self.cu = driver
+        attr = driver.CUpointer_attribute
+        self.BUFFER_ID = attr.CU_POINTER_ATTRIBUTE_BUFFER_ID
+        self.IPC_CAPABLE = attr.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+        self._logged: set[tuple[str, int]] = set()
+
+    def _failed(self, call: str, err: Any, ptr: int) -> str:
+        """Describe (and log, the first time for this call and result) a CUresult other than success."""
+        code = int(err)
+        ok, name = self.cu.cuGetErrorName(err)
+        text = f"{call}({ptr:#x}) returned {name.decode() if int(ok) == 0 and name else code}"
+        if (call, code) not in self._logged:
+            self._logged.add((call, code))
+            log.warning("ringcomm: %s (logged once); CUDA IPC of this buffer goes through the scratch buffer", text)
+        return text
 
     def allocation(self, ptr: int) -> tuple[int, int]:
         """(base address, size) of the allocation that contains device address ``ptr``."""
-        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        rc = self.range(ctypes.byref(base), ctypes.byref(size), ptr)
-        if rc != 0:
-            raise RuntimeError(f"cuMemGetAddressRange failed (CUresult {rc}) for address {ptr:#x}")
-        return base.value, size.value
+        err, base, size = self.cu.cuMemGetAddressRange(ptr)
+        if int(err) != 0:
+            raise RuntimeError(self._failed("cuMemGetAddressRange", err, ptr))
+        return int(base), int(size)
 
-    def attribute(self, ptr: int, attr: int) -> int | None:
-        value = ctypes.c_uint64(0)  # wide enough for every attribute asked here (int, bool, u64)
-        rc = self.attr(ctypes.byref(value), attr, ptr)
-        return value.value if rc == 0 else None
+    def attribute(self, ptr: int, attr: Any) -> int | None:
+        """The pointer attribute ``attr`` of ``ptr`` as an int, None when the query fails."""
+        err, value = self.cu.cuPointerGetAttribute(attr, ptr)
+        if int(err) != 0:
+            self._failed(f"cuPointerGetAttribute({attr.name})", err, ptr)
+            return None
+        return int(value)
 
 
 _driver: _Driver | None = None
 
+
+class _Mapping:
+    """A neighbour's allocation opened in this process, and the transports that use it."""
+
+    __slots__ = ("whole", "owners")
+
+    def __init__(self, whole: Any) -> None:
+        self.whole = whole
+        self.owners: set = set()
+
+
 #: neighbour allocations opened by this process, keyed by handle bytes, shared by every transport
 #: (CUDA lets a process open a handle once); least recently used beyond MAX_MAPPINGS are closed
-_mapped: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+_mapped: collections.OrderedDict[bytes, _Mapping] = collections.OrderedDict()
 _mapped_lock = threading.Lock()
 
 
@@ -105,9 +147,13 @@ class IpcTransport:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.fallback: StagedTransport | None = None  # set, on every rank, once IPC set-up failed
-        self._exported: dict[int, bytes] = {}  # allocation buffer id -> its handle
+        # exporting: allocation buffer id -> handle, and handle -> what keeps the allocation alive
+        # (the array or scratch Memory it was exported for) until the right has closed its mapping
+        self._handle_of: dict[int, bytes] = {}
+        self._pins: dict[bytes, Any] = {}
         self._scratch = None  # registered send scratch (cudaMalloc), grown when needed
-        self._scratch_old: list = []  # earlier scratch buffers: a neighbour may still map them
+        self._releases: list[bytes] = []  # handles of the left's memory closed here, to report to it
+        self._began = False  # some collective ran: close() agrees the unmapping with the neighbours
         cap = max(16, 12 * comm.size)
         self._ready_out = np.zeros((cap, 4), np.int64)  # step, slot, byte offset, nbytes
         self._ready_in = np.zeros((cap, 4), np.int64)
@@ -115,6 +161,8 @@ class IpcTransport:
         self._done_in = np.zeros((cap, 1), np.int64)
         self._desc_out = np.zeros((3, _DESC), np.int64)
         self._desc_in = np.zeros((3, _DESC), np.int64)
+        self._release_out = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)  # count, closing flag, handles
+        self._release_in = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)
         self._flag_out = np.zeros(1, np.int32)
         self._flag_in = np.zeros(1, np.int32)
         self._events = EventPool()
@@ -141,18 +189,23 @@ class IpcTransport:
         import cupy
 
         self._cupy = cupy
+        self._began = True
         self.stream = self.device.stream
         self._dtype = np.dtype(ctx.dtype)
         self._work, self._src = work, src
         mpi, left, right = self.comm.mpi, self.comm.left, self.comm.right
         problem = ""
         try:
-            self._describe(work, src)
+            with cupy.cuda.Device(self.device.device_id):  # driver calls need the device's context current
+                self._describe(work, src)
         except Exception as e:  # noqa: BLE001 - any failure means: fall back, on every rank
             problem = f"exporting this rank's buffers failed: {e}"
             self._desc_out[:, 0] = _FAILED
-        wait([mpi.Irecv(self._desc_in, left, TAG_HANDLES), mpi.Isend(self._desc_out, right, TAG_HANDLES)], ctx, None,
-             left, "exchanging CUDA IPC handles")
+        self._fill_releases(closing=False)
+        wait([mpi.Irecv(self._desc_in, left, TAG_HANDLES), mpi.Isend(self._desc_out, right, TAG_HANDLES),
+              mpi.Irecv(self._release_in, right, TAG_RELEASED), mpi.Isend(self._release_out, left, TAG_RELEASED)],
+             ctx, None, left, "exchanging CUDA IPC handles")
+        self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in (SRC, WORK, SCRATCH)})
         if not problem:
             try:
                 self._peer = [self._open(self._desc_in[slot]) for slot in (SRC, WORK, SCRATCH)]
@@ -176,7 +229,11 @@ class IpcTransport:
         self._active = False
 
     def _describe(self, work: Any, src: Any) -> None:
-        """Fill the outgoing descriptor: how the right neighbour can map src, work and the scratch."""
+        """Fill the outgoing descriptor: how the right neighbour can map src, work and the scratch.
+
+        Every allocation exported is pinned (a reference to the array it was exported for, which
+        keeps CuPy's pool from freeing it) until the right reports its mapping closed.
+        """
         from ..devices.cuda import pointer
 
         self._desc_out[:] = 0
@@ -187,34 +244,58 @@ class IpcTransport:
                 continue
             ptr = pointer(a)
             drv = _get_driver()
-            if not drv.attribute(ptr, _ATTR_IS_LEGACY_IPC_CAPABLE):
+            if not drv.attribute(ptr, drv.IPC_CAPABLE):
                 need_scratch = max(need_scratch, a.nbytes)
                 self._slot_of[slot] = SCRATCH
                 continue
             base, size = drv.allocation(ptr)
-            key = drv.attribute(base, _ATTR_BUFFER_ID)  # unique per allocation over the process lifetime
-            handle = self._exported.get(key) if key is not None else None
+            key = drv.attribute(base, drv.BUFFER_ID)  # unique per allocation over the process lifetime
+            handle = self._handle_of.get(key) if key is not None else None
             if handle is None:
                 handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(base))
                 if key is not None:
-                    self._exported[key] = handle
+                    self._handle_of[key] = handle
+            self._pins[handle] = a
             self._fill(slot, handle, ptr - base, a.nbytes, size)
             self._slot_of[slot] = slot
         if need_scratch:
             if self._scratch is None or self._scratch.nbytes < need_scratch:
-                if self._scratch is not None:
-                    self._scratch_old.append(self._scratch)
                 old = self._scratch.nbytes if self._scratch is not None else 0
                 mem = self._cupy.cuda.Memory(max(need_scratch, 2 * old, SCRATCH_MIN_BYTES))
                 self._scratch = self._cupy.ndarray((mem.size,), np.uint8, self._cupy.cuda.MemoryPointer(mem, 0))
                 self._scratch_handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
                 log.debug("ipc: rank %d exports a %d-byte scratch buffer", self.comm.rank, mem.size)
+            self._pins[self._scratch_handle] = self._scratch  # an outgrown one stays until released
             self._fill(SCRATCH, self._scratch_handle, 0, self._scratch.nbytes, self._scratch.nbytes)
 
     def _fill(self, slot: int, handle: bytes, offset: int, nbytes: int, alloc: int) -> None:
         row = self._desc_out[slot]
         row[0], row[1], row[2], row[3] = _VALID, offset, nbytes, alloc
         row[4:] = np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+
+    def _fill_releases(self, closing: bool) -> None:
+        """The outgoing "released" message: handles of the left's memory this rank closed since
+        the last one (at most RELEASE_SLOTS; the rest go next time), and whether it is closing."""
+        out, sent = self._release_out, self._releases[:RELEASE_SLOTS]
+        del self._releases[:RELEASE_SLOTS]
+        out[:] = 0
+        out[0], out[1] = len(sent), int(closing)
+        for i, handle in enumerate(sent):
+            out[2 + 8 * i: 10 + 8 * i] = np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+
+    def _unpin_released(self, keep: set[bytes] = frozenset()) -> None:
+        """Drop the pins of the allocations the right reports it no longer maps (all of them when
+        it is closing), except those described again in this collective (the right opens them anew)."""
+        got = self._release_in
+        if got[1]:
+            self._pins.clear()
+            self._handle_of.clear()
+            return
+        released = {got[2 + 8 * i: 10 + 8 * i].tobytes() for i in range(int(got[0]))} - set(keep)
+        for handle in released:
+            self._pins.pop(handle, None)
+        if released:
+            self._handle_of = {k: h for k, h in self._handle_of.items() if h not in released}
 
     def _open(self, row: np.ndarray) -> Any:
         """A uint8 view of the neighbour's array described by ``row`` (None for an unused slot)."""
@@ -225,30 +306,36 @@ class IpcTransport:
             raise RuntimeError("the neighbour could not export its buffer")
         handle = row[4:].tobytes()
         with _mapped_lock:
-            whole = _mapped.get(handle)
-            if whole is None:
+            mapping = _mapped.get(handle)
+            if mapping is None:
                 cp = self._cupy
                 ptr = cp.cuda.runtime.ipcOpenMemHandle(handle)
                 mem = cp.cuda.UnownedMemory(ptr, alloc, None, cp.cuda.runtime.getDevice())
-                whole = cp.ndarray((alloc,), np.uint8, cp.cuda.MemoryPointer(mem, 0))
-                _mapped[handle] = whole
+                mapping = _mapped[handle] = _Mapping(cp.ndarray((alloc,), np.uint8, cp.cuda.MemoryPointer(mem, 0)))
                 log.debug("ipc: rank %d mapped %d bytes of rank %d", self.comm.rank, alloc, self.comm.left)
                 self._evict()
             else:
                 _mapped.move_to_end(handle)
+            mapping.owners.add(self)
         if offset < 0 or offset + nbytes > alloc:
             raise RuntimeError(f"descriptor out of range: offset {offset} + {nbytes} bytes > allocation {alloc}")
-        return whole[offset: offset + nbytes]
+        return mapping.whole[offset: offset + nbytes]
 
     def _evict(self) -> None:
         # From begin() only (between this transport's collectives), with _mapped_lock held; the
-        # mappings of the current collective are the most recently used ones.
+        # mappings of the current collective are the most recently used ones. Every transport
+        # that used a closed mapping tells its left at its next collective (the exporter unpins).
         while len(_mapped) > MAX_MAPPINGS:
-            _, whole = _mapped.popitem(last=False)
-            try:
-                self._cupy.cuda.runtime.ipcCloseMemHandle(whole.data.ptr)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
+            handle, mapping = _mapped.popitem(last=False)
+            self._close_mapping(mapping)
+            for owner in mapping.owners:
+                owner._releases.append(handle)
+
+    def _close_mapping(self, mapping: _Mapping) -> None:
+        try:
+            self._cupy.cuda.runtime.ipcCloseMemHandle(mapping.whole.data.ptr)
+        except Exception as e:  # noqa: BLE001 - the mapping is gone either way
+            log.warning("ringcomm: closing a CUDA IPC mapping failed on rank %d: %s", self.comm.rank, e)
 
     def _row(self, table: np.ndarray) -> np.ndarray:
         if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
@@ -348,14 +435,41 @@ class IpcTransport:
         return None
 
     def close(self) -> None:
-        """Close the fallback's buffers (the communicator is being freed).
+        """Close this transport's mappings of the left's memory and release what the right mapped
+        of this rank's, agreed with both neighbours (collective, as Communicator.close() is).
 
-        This transport's own exported scratch buffers are kept until the transport itself goes:
-        a neighbour may still hold them mapped in the process-wide cache of opened mappings, and
-        memory must not be freed under an open IPC mapping.
+        Each rank closes its mappings (those no other transport of the process still uses), then
+        tells its left so, and waits for its right to say the same before dropping its pins: no
+        allocation is freed while a neighbour still maps it. On an aborted communicator the
+        neighbours may be gone: the mappings are closed, and the pins kept for the process's life.
         """
         if self.fallback is not None:
             self.fallback.close()
+        if not self._began:
+            return
+        with _mapped_lock:
+            for handle, mapping in list(_mapped.items()):
+                if self in mapping.owners:
+                    mapping.owners.discard(self)
+                    if not mapping.owners:
+                        del _mapped[handle]
+                        self._close_mapping(mapping)
+        self._releases.clear()
+        self._peer = []
+        if self.comm._aborted:
+            return
+        from ..engine import Context
+        from ..devices import HostDevice
+
+        ctx = Context("Communicator.close()", self.comm, HostDevice(), np.dtype(np.uint8), None)
+        self._fill_releases(closing=True)
+        mpi = self.comm.mpi
+        wait([mpi.Irecv(self._release_in, self.comm.right, TAG_RELEASED),
+              mpi.Isend(self._release_out, self.comm.left, TAG_RELEASED)],
+             ctx, None, self.comm.right, "the right neighbour to close its CUDA IPC mappings of this rank's memory")
+        self._unpin_released()
+        self._scratch = None
+        self._began = False
 
     def abort(self) -> None:
         if self.fallback is not None:

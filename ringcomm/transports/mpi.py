@@ -4,7 +4,9 @@ Each chunk is cut into slices of ``slice_bytes`` so that a large chunk is not on
 reduction of a slice follows its arrival while it is still in cache. A reduce step receives into a
 scratch buffer (allocated once per communicator, grown when a larger chunk comes); a copy step
 receives straight into its destination. Buffers may be host arrays or, when the MPI library is
-CUDA-aware, device arrays (the device is synchronized before a chunk it produced is sent).
+CUDA-aware, device arrays: the host waits (with the deadline) for the stream before a chunk it
+produced is sent and before the scratch is reused, so the scratch's last use is complete when a
+step ends.
 
 Latency: for a copy step between buffers that stay put (an :class:`ringcomm.engine.Plan`),
 :meth:`MpiTransport.prepare` makes persistent requests once (MPI_Send_init/Recv_init); each run
@@ -57,8 +59,9 @@ class MpiTransport:
             for lo, hi in slices(recv_count, per):
                 self._recvs.append((lo, hi, dst[lo:hi], self.comm.mpi.Irecv(as_bytes(dst[lo:hi]), left, TAG)))
         if send is not None and send.size:
-            if not self._on_host:
-                self.device.synchronize()  # the chunk may still be in flight on the stream
+            if not self._on_host:  # the chunk may still be in flight on the stream
+                self.device.synchronize(self.ctx, step.index, self.comm.right, "this rank's kernels producing chunk %s",
+                                        step.send)
             right = self.comm.right
             for lo, hi in slices(send.size, per):
                 self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo:hi]), right, TAG))
@@ -69,8 +72,9 @@ class MpiTransport:
             yield lo, hi, None if self._in_place else view
 
     def step_done(self, step: Any) -> None:
-        if not self._on_host and self._recvs:
-            self.device.synchronize()  # the scratch is reused by the next step's receive
+        if not self._on_host and self._recvs:  # the scratch is reused by the next step's receive
+            self.device.synchronize(self.ctx, step.index, self.comm.left, "this rank's kernels reducing chunk %s",
+                                    step.recv)
         if self._sends:
             wait(self._sends, self.ctx, step.index, self.comm.right, "sending chunk %d", step.send)
         self._sends, self._recvs = [], []

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..config import env, flag
+from ..devices import Reused
 from .base import cancel, slices, wait, wait_until
 from .mpi import TAG
 
@@ -93,7 +94,8 @@ class StagedTransport:
         self.slice_bytes = max(int(slice_bytes or comm.slice_bytes), MIN_SLICE_BYTES)
         self._host_send = self._host_recv = None  # pinned numpy uint8 arrays, grown when needed
         self._pinned: list = []  # the pinned allocations behind them (kept alive)
-        self._dev_recv = None  # device uint8 scratch for reduce steps
+        self._dev = Reused()  # device scratch for reduce steps, reused across calls (and streams)
+        self._dev_recv = None  # this call's view of it
         self._copy_stream = None  # device-to-host copies
         self._events = EventPool()
         self._reset()
@@ -129,8 +131,7 @@ class StagedTransport:
             self._pinned.clear()
             self._host_send = self._pinned_array(max(need, 1))
             self._host_recv = self._pinned_array(max(need, 1))
-        if self._dev_recv is None or self._dev_recv.size < need:
-            self._dev_recv = self.device.empty(max(need, 1), "u1")
+        self._dev_recv = self._dev.take(self.device, need)
         if self._copy_stream is None:
             self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._reset()
@@ -199,6 +200,8 @@ class StagedTransport:
         self._reset()
 
     def end(self) -> None:
+        if self.comm.size > 1:
+            self._dev.done(self.device)
         self._reset()
 
     def close(self) -> None:
@@ -206,12 +209,15 @@ class StagedTransport:
         self._reset()
         self._host_send = self._host_recv = self._dev_recv = None
         self._pinned.clear()
+        self._dev.free()
 
     def abort(self) -> None:
         cancel(self._sends + [req for *_, req in self._recvs])
-        try:
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()  # local work only: pinned buffers are free after this
-        except Exception:  # noqa: BLE001 - best effort while an error propagates
-            pass
+        if self._copy_stream is not None:  # local work only: the pinned buffers are free after it
+            done = self._events.take()
+            done.record(self._copy_stream)
+            try:
+                wait_event(done, self.ctx, None, self.comm.rank, "this rank's copies to the host, after an error")
+            except Exception:  # noqa: BLE001 - best effort while the first error propagates
+                pass
         self._reset()

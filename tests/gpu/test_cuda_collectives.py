@@ -214,3 +214,90 @@ def test_transport_choice_is_logged(caplog):
     assert comm.transport_name(x) == "ipc"  # two ranks on one node
     assert any("cuda transport" in rec.getMessage() and "ipc" in rec.getMessage() for rec in caplog.records)
     assert any("transport=ipc" in rec.getMessage() for rec in caplog.records)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_calls_alternating_between_two_streams_without_host_syncs():
+    """Buffers the communicator owns (the small all-reduce's plan buffer, reduce_scatter's scratch,
+    the staged transport's device scratch) are reused by the next call, here on the other stream,
+    with no host synchronisation between the calls: each call's stream must wait for the last use
+    of every such buffer by the call before (a "last use" event per buffer)."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    for transport in transports():
+        comm = comm_with(transport)
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+        calls = []
+        for i in range(12):
+            s = streams[i % 2]
+            with s:  # the inputs are written on the call's stream
+                small = cupy.full(1000, r + 10 * i, cupy.float32)  # 4000 bytes: the gather-fold plan
+                ring = cupy.full(5003, r + 10 * i, cupy.float32)  # the ring, reduce_scatter's scratch
+            comm.all_reduce(small, stream=s)
+            shard = comm.reduce_scatter(ring, stream=s)
+            calls.append((i, small, shard))
+        for s in streams:
+            s.synchronize()
+        for i, small, shard in calls:
+            want = sum(k + 10 * i for k in range(n))
+            assert (host(small) == want).all(), f"{transport}: all_reduce {i} (stream {i % 2}) corrupted"
+            assert (host(shard) == want).all(), f"{transport}: reduce_scatter {i} (stream {i % 2}) corrupted"
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_arrays_ringcomm_allocates_belong_to_the_call_stream():
+    """reduce_scatter's result and all_gather's output (out=None) are allocated by ringcomm and
+    written on the call's stream: they must be allocated on that stream, since CuPy's pool hands
+    the memory of a dropped array to the next allocation on the stream it was allocated on. Here
+    the user drops the result at once and allocates on the null stream while the call's kernels
+    may still be queued on its own stream."""
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    for transport in transports():
+        comm = comm_with(transport)
+        s = cupy.cuda.Stream(non_blocking=True)
+        for i in range(4):
+            with s:
+                x = cupy.full(4003, r + i, cupy.float32)
+            shard = comm.reduce_scatter(x, stream=s)
+            size = shard.size
+            del shard
+            fresh = cupy.full(size, -7, cupy.float32)  # on the null stream
+            cupy.cuda.Stream.null.synchronize()  # the fill is done; the call's stream may still run
+            s.synchronize()
+            assert (host(fresh) == -7).all(), f"{transport}: memory of reduce_scatter's dropped result overwritten"
+            with s:
+                shard = cupy.full(5, r, cupy.int32)
+            gathered = comm.all_gather(shard, stream=s)
+            size = gathered.size
+            del gathered
+            fresh = cupy.full(size, -9, cupy.int32)
+            cupy.cuda.Stream.null.synchronize()
+            s.synchronize()
+            assert (host(fresh) == -9).all(), f"{transport}: memory of all_gather's dropped result overwritten"
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_pool_trimmed_between_collectives_and_after_close(monkeypatch):
+    """CuPy's pool frees cached blocks on free_all_blocks() (and before retrying an allocation that
+    ran out of memory). An allocation that a neighbour still maps through CUDA IPC must not be
+    freed (undefined in CUDA; the emulated GPU makes it an error): ringcomm keeps what it exported
+    until the neighbour has closed its mapping, at cache eviction (forced here with a 2-entry
+    cache) and at close()."""
+    _use_local_gpu()
+    monkeypatch.setattr(ipc, "MAX_MAPPINGS", 2)
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    pool = cupy.get_default_memory_pool()
+    comm = comm_with("ipc")
+    for i in range(8):
+        x = cupy.full(600_000 + i, r + i, cupy.float32)  # each its own allocation (> one pool block)
+        comm.all_reduce(x)
+        assert (host(x) == sum(k + i for k in range(n))).all(), f"all_reduce {i}"
+        del x
+        if r == i % n:
+            pool.free_all_blocks()
+    comm.close()
+    pool.free_all_blocks()
+    MPI.COMM_WORLD.Barrier()

@@ -83,7 +83,7 @@ def test_reduce_every_dtype_op_and_alignment():
                         _, av = guarded(a, offs[1])
                         _, bv = guarded(b, offs[2])
                         dev.reduce(dst, av, bv, op, div)
-                        dev.synchronize()
+                        dev.stream.synchronize()
                         what = f"{dtype} {op} n={n} offsets={offs} div={div}"
                         np.testing.assert_array_equal(bits(cupy.asnumpy(dst)), bits(want), err_msg=what)
                         assert outside_untouched(dst_raw, dst), f"wrote out of bounds: {what}"
@@ -92,7 +92,7 @@ def test_reduce_every_dtype_op_and_alignment():
                 a, b = random(rng, dtype, n, op), random(rng, dtype, n, op)
                 raw, av = guarded(a, 1)
                 dev.reduce(av, av, to_device(b), op)
-                dev.synchronize()
+                dev.stream.synchronize()
                 np.testing.assert_array_equal(bits(cupy.asnumpy(av)), bits(reference(a, b, op, 1)),
                                               err_msg=f"in place {dtype} {op} n={n}")
                 assert outside_untouched(raw, av)
@@ -108,14 +108,14 @@ def test_reduce_large_buffers_take_several_grid_strides():
             for offs in ((0, 0, 0), (1, 1, 1)):
                 raw, dst = guarded(np.zeros(n, dtype), offs[0])
                 dev.reduce(dst, guarded(a, offs[1])[1], guarded(b, offs[2])[1], ReduceOp.SUM)
-                dev.synchronize()
+                dev.stream.synchronize()
                 np.testing.assert_array_equal(bits(cupy.asnumpy(dst)), bits(reference(a, b, ReduceOp.SUM, 1)),
                                               err_msg=f"{dtype} n={n} offsets={offs}")
                 assert outside_untouched(raw, dst)
     src = rng.integers(0, 256, (40 << 20) + 7, dtype=np.uint8)
     raw, d = guarded(np.zeros(src.size, np.uint8), 3)
     dev.copy(d, guarded(src, 3)[1])
-    dev.synchronize()
+    dev.stream.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(d), src)
     assert outside_untouched(raw, d)
 
@@ -157,7 +157,7 @@ def test_copy_every_relative_alignment():
                 draw, d = guarded(np.zeros(nbytes, np.uint8), do)
                 _, s = guarded(src, so)
                 dev.copy(d, s)
-                dev.synchronize()
+                dev.stream.synchronize()
                 np.testing.assert_array_equal(cupy.asnumpy(d), src, err_msg=f"{nbytes} bytes, dst+{do} src+{so}")
                 assert outside_untouched(draw, d)
 
@@ -176,7 +176,7 @@ def test_work_follows_the_stream():
         out = cupy.empty_like(da)
     dev.reduce(out, da, db, ReduceOp.SUM)
     dev.copy(da, out)
-    dev.synchronize()
+    dev.stream.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(da), a + a * 2)
     assert CudaDevice().stream.ptr == cupy.cuda.get_current_stream().ptr
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import glob
 import itertools
 import mmap
 import os
@@ -49,11 +50,25 @@ _JITTER = float(os.environ.get("RINGCOMM_EMULATED_JITTER", "0") or 0) / 1000.0
 _rng = random.Random(os.getpid())
 _BLOCK = 2 << 20
 _ALIGN = 512
-_ids = itertools.count(1)
+_ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy and cudaStreamPerThread
 _lock = threading.RLock()
 
 
 # ----------------------------------------------------------------------------------- device memory
+_ctx = threading.local()
+
+
+def _make_context_current() -> None:
+    """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the primary
+    context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a thread without one
+    fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
+    _ctx.current = True
+
+
+def _has_context() -> bool:
+    return getattr(_ctx, "current", False)
+
+
 class _Allocation:
     """One shared-memory mapping: an allocation of this process, or a neighbour's opened by IPC."""
 
@@ -71,16 +86,53 @@ class _Allocation:
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.ipc = ipc
         self.buffer_id = next(_ids)
+        self.live = 0  # pool blocks: chunks in use
         _regions[self.ptr] = self
+
+    def free(self) -> None:
+        """cudaFree. CUDA leaves freeing memory that another process still has open through IPC
+        undefined; the emulation makes it an error (raised at the next synchronizing call)."""
+        openers = [f for f in glob.glob(f"{self.name}.open-*") if _alive(int(f.rsplit("-", 1)[1]))]
+        if openers:
+            _violations.append(
+                f"emulated CUDA: cudaFree of {self.size} bytes that process(es) "
+                f"{[int(f.rsplit('-', 1)[1]) for f in openers]} still have open through CUDA IPC (undefined in CUDA)"
+            )
+        _regions.pop(self.ptr, None)
+        try:
+            os.unlink(self.name)
+        except OSError:
+            pass
+        # the mapping stays: a kernel of a buggy caller may still touch it; reads then see stale
+        # data instead of crashing the test process
 
 
 _regions: dict[int, _Allocation] = {}
 _own_files: list[str] = []
+_violations: list[str] = []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _check_violations() -> None:
+    if _violations:
+        raise RuntimeError("; ".join(_violations))
 
 
 @atexit.register
 def _cleanup() -> None:
     for name in _own_files:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    for name in list(_open_markers.values()):
         try:
             os.unlink(name)
         except OSError:
@@ -99,42 +151,90 @@ def _is_device(ptr: int) -> bool:
 
 
 class _PoolChunk:
-    def __init__(self, block: _Allocation, offset: int, size: int) -> None:
-        self.block, self.offset, self.size = block, offset, size
+    """A chunk of a pool block. Freed chunks go back to the free list of the stream that was
+    current when they were allocated, as in CuPy's stream-aware pool (memory.pyx: Chunk.stream_ptr):
+    only later allocations on that stream reuse them."""
+
+    def __init__(self, block: _Allocation, offset: int, size: int, stream_ptr: int) -> None:
+        self.block, self.offset, self.size, self.stream_ptr = block, offset, size, stream_ptr
         self.ptr = block.ptr + offset
+        block.live += 1
 
     def __del__(self) -> None:
         try:
-            _pool_free[self.size].append((self.block, self.offset))
+            self.block.live -= 1
+            _pool_free[(self.size, self.stream_ptr)].append((self.block, self.offset))
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 
-_pool_free: dict[int, list] = collections.defaultdict(list)
+_pool_free: dict[tuple[int, int], list] = collections.defaultdict(list)
 _pool_block: list = [None, 0]  # current block, bump offset
+_pool_blocks: list[_Allocation] = []
 
 
 def _pool_alloc(nbytes: int) -> _PoolChunk:
     size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
+    stream = get_current_stream().ptr
+    _make_context_current()
     with _lock:
-        if _pool_free[size]:
-            block, offset = _pool_free[size].pop()
-            return _PoolChunk(block, offset, size)
+        if _pool_free[(size, stream)]:
+            block, offset = _pool_free[(size, stream)].pop()
+            return _PoolChunk(block, offset, size, stream)
         block, used = _pool_block
         if block is None or used + size > block.size:
             ipc = os.environ.get("RINGCOMM_EMULATED_NO_IPC_POOL", "") != "1"
             block = _Allocation(max(_BLOCK, size), ipc=ipc)
+            _pool_blocks.append(block)
             used = 0
         _pool_block[:] = [block, used + size]
-        return _PoolChunk(block, used, size)
+        return _PoolChunk(block, used, size, stream)
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool's bookkeeping calls; free_all_blocks() frees every pool block none of
+    whose chunks is in use (CuPy frees free chunks that are whole allocations), as CuPy itself does
+    before retrying an allocation that ran out of memory."""
+
+    def free_all_blocks(self, stream=None) -> None:
+        with _lock:
+            idle = [b for b in _pool_blocks if b.live == 0]
+            for b in idle:
+                _pool_blocks.remove(b)
+                for key in list(_pool_free):
+                    _pool_free[key] = [(blk, off) for blk, off in _pool_free[key] if blk is not b]
+                if _pool_block[0] is b:
+                    _pool_block[:] = [None, 0]
+                b.free()
+        _check_violations()
+
+    def used_bytes(self) -> int:
+        return sum(b.size for b in _pool_blocks if b.live)
+
+    def total_bytes(self) -> int:
+        return sum(b.size for b in _pool_blocks)
+
+
+_default_pool = MemoryPool()
+
+
+def get_default_memory_pool() -> MemoryPool:
+    return _default_pool
 
 
 class Memory:
-    """A direct allocation (cudaMalloc): always exportable."""
+    """A direct allocation (cudaMalloc): always exportable; cudaFree when the object goes."""
 
     def __init__(self, size: int) -> None:
+        _make_context_current()
         self._a = _Allocation(size)
         self.ptr, self.size = self._a.ptr, int(size)
+
+    def __del__(self) -> None:
+        try:
+            self._a.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 class UnownedMemory:
@@ -159,19 +259,75 @@ def alloc_pinned_memory(nbytes: int) -> _Pinned:
 
 
 # ---------------------------------------------------------------------------------- streams, events
+class _Marker:
+    """A point in a stream's queue: ``ran`` once everything queued before it has run."""
+
+    def __init__(self) -> None:
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+
+
+class _Stall:
+    """Queued work that never completes (a hung kernel): :func:`_stall` puts one on a stream."""
+
+
+class _Wait:
+    """A stream's wait for a point (a marker) in another stream: runs that stream up to it;
+    true once it is reached (false while that stream hangs before it)."""
+
+    def __init__(self, stream: Stream, marker: _Marker) -> None:
+        self.stream, self.marker = stream, marker
+
+    def __call__(self) -> bool:
+        self.stream._flush(self.marker)
+        return self.marker.ran
+
+
 class Stream:
+    """A lazy stream. Like CUDA's: work on a blocking stream (the default) runs after the work
+    queued before it on the legacy null stream, and work on the null stream after the work queued
+    before it on every blocking stream; ``non_blocking=True`` streams are not ordered with the null
+    stream."""
+
     _by_ptr: dict[int, Stream] = {}
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.ptr = 0 if null else next(_ids)
+        self.blocking = not non_blocking and not null
         self._queue: collections.deque = collections.deque()
         Stream._by_ptr[self.ptr] = self
 
+    def _mark(self) -> _Marker | None:
+        """A marker after the work queued so far (None when nothing is queued)."""
+        if not self._queue:
+            return None
+        m = _Marker()
+        self._queue.append(m)
+        return m
+
     def _enqueue(self, fn) -> None:
+        if self.ptr == 0:
+            before = [s for s in list(Stream._by_ptr.values()) if s.blocking]
+        else:
+            before = [Stream.null] if self.blocking else []
+        for s in before:
+            m = s._mark()
+            if m is not None:
+                self._queue.append(_Wait(s, m))
         self._queue.append(fn)
 
     def _flush(self, upto=None) -> None:
         while self._queue and not (upto is not None and getattr(upto, "ran", False)):
+            head = self._queue[0]
+            # a hung kernel, or a wait on another stream's event that cannot complete (that
+            # stream hangs): nothing after it runs
+            if isinstance(head, _Stall) or (isinstance(head, _Wait) and not head()):
+                if upto is None:  # a host wait on a hung stream: it never returns
+                    while True:
+                        time.sleep(1)
+                return
             op = self._queue.popleft()
             if _JITTER and _rng.random() < 0.2:
                 time.sleep(_rng.random() * _JITTER)  # a slow GPU, now and then: races show up
@@ -179,11 +335,11 @@ class Stream:
 
     def synchronize(self) -> None:
         self._flush()
+        _check_violations()
 
     def wait_event(self, event: Event) -> None:
-        stream, marker = event._stream, event._marker
-        if stream is not None:
-            self._enqueue(lambda: stream._flush(marker))
+        if event._stream is not None:
+            self._enqueue(_Wait(event._stream, event._marker))
 
     def use(self) -> Stream:
         _current[:] = [self]
@@ -198,11 +354,18 @@ class Stream:
 
     @property
     def done(self) -> bool:
+        self._flush(self._mark())
         return not self._queue
 
 
 Stream.null = Stream(null=True)
 _current: list[Stream] = []
+
+
+def _stall(stream: Stream) -> None:
+    """Tests only: from now on nothing queued on ``stream`` completes (as if a kernel hung):
+    event queries stay False, and ``synchronize()`` never returns."""
+    stream._queue.append(_Stall())
 
 
 def get_current_stream() -> Stream:
@@ -211,7 +374,7 @@ def get_current_stream() -> Stream:
 
 def _flush_all() -> None:
     for s in list(Stream._by_ptr.values()):
-        s._flush()
+        s._flush(s._mark())
 
 
 class Event:
@@ -221,11 +384,7 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else get_current_stream()
-
-        def marker() -> None:
-            marker.ran = True
-
-        marker.ran = False
+        marker = _Marker()
         stream._enqueue(marker)
         self._stream, self._marker = stream, marker
 
@@ -233,10 +392,15 @@ class Event:
     def done(self) -> bool:
         if self._stream is not None:
             self._stream._flush(self._marker)
+            return self._marker.ran
         return True
 
     def synchronize(self) -> None:
-        _ = self.done
+        if self._stream is not None:
+            self._stream._flush(self._marker)
+            if not self._marker.ran:  # a hung stream: cudaEventSynchronize never returns
+                while True:
+                    time.sleep(1)
 
 
 class Device:
@@ -246,7 +410,7 @@ class Device:
             raise RuntimeError("emulated CUDA has one device")
 
     def use(self) -> None:
-        pass
+        _make_context_current()  # cudaSetDevice initialises the primary context (CUDA 12+)
 
     #: one emulated GPU per node: every rank of a node sees the same PCI bus id (the shared-GPU test)
     pci_bus_id = "0000:00:00.0"
@@ -256,6 +420,7 @@ class Device:
         _flush_all()
 
     def __enter__(self) -> Device:
+        _make_context_current()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -399,6 +564,7 @@ class ndarray:
 
     def get(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
         _flush_all()
+        _check_violations()
         if out is None:
             return self._np().copy()
         out[...] = self._np()  # CuPy's get(out=...): into a host array of the same shape
@@ -421,10 +587,10 @@ def asarray(a, dtype=None) -> ndarray:
         n = int(np.prod(cai["shape"], dtype=np.int64))
         ptr = cai["data"][0]
         return ndarray(cai["shape"], dt, MemoryPointer(UnownedMemory(ptr, n * dt.itemsize, a), 0))
-    host = np.ascontiguousarray(np.asarray(a, dtype=dtype))
+    host = np.array(a, dtype=dtype, order="C")  # a private copy: the transfer is queued
     out = ndarray(host.shape, host.dtype)
-    if host.size:
-        out._np()[...] = host
+    if host.size:  # cudaMemcpyAsync on the current stream, as CuPy's ndarray.set does
+        get_current_stream()._enqueue(lambda: out._np().__setitem__(Ellipsis, host))
     return out
 
 
@@ -547,6 +713,13 @@ class RawModule:
         self.code = code
 
     def get_function(self, name: str) -> _Kernel:
+        # CuPy compiles on the first get_function. RINGCOMM_EMULATED_NO_NVRTC=1: a machine with
+        # only a driver, where CuPy cannot load NVRTC (the error CuPy 14 raises then)
+        if os.environ.get("RINGCOMM_EMULATED_NO_NVRTC", "") == "1":
+            raise RuntimeError(
+                "CuPy failed to load libnvrtc.so.13: OSError: libnvrtc.so.13: cannot open shared object file: "
+                "No such file or directory"
+            )
         return _Kernel(name)  # the names come from macros in the source; _Kernel checks their form
 
 
@@ -576,8 +749,11 @@ def _ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
         raise CUDARuntimeError("cudaErrorDeviceUninitialized: a process cannot open its own IPC handle")
     if handle in _opened:
         raise CUDARuntimeError("cudaErrorAlreadyMapped: handle already opened in this process")
+    _make_context_current()
     a = _Allocation(int(size), name=name, imported=True)
     _opened[handle] = a.ptr
+    marker = _open_markers[handle] = f"{name}.open-{os.getpid()}"  # seen by the exporter's cudaFree
+    open(marker, "wb").close()
     return a.ptr
 
 
@@ -586,8 +762,15 @@ def _ipcCloseMemHandle(ptr: int) -> None:
         if p == ptr:
             del _opened[h]
             _regions.pop(ptr, None)
+            try:
+                os.unlink(_open_markers.pop(h))
+            except (KeyError, OSError):
+                pass
             return
     raise CUDARuntimeError("cudaErrorInvalidValue: not an opened IPC mapping")
+
+
+_open_markers: dict[bytes, str] = {}
 
 
 def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> None:
@@ -617,37 +800,11 @@ runtime = types.SimpleNamespace(
 driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2)
 
 
-class _Driver:
-    """What ringcomm.transports.ipc asks libcuda for, answered from the emulated allocations."""
-
-    def allocation(self, ptr: int) -> tuple[int, int]:
-        a = _region(ptr)
-        return a.ptr, a.size
-
-    def attribute(self, ptr: int, attr: int) -> int | None:
-        try:
-            a = _region(ptr)
-        except RuntimeError:
-            return None
-        return {7: a.buffer_id, 10: int(a.ipc and not a.imported)}.get(attr)
-
-
 cuda = types.SimpleNamespace(
     Stream=Stream, ExternalStream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
     Memory=Memory, MemoryPointer=MemoryPointer, UnownedMemory=UnownedMemory, alloc_pinned_memory=alloc_pinned_memory,
-    runtime=runtime, driver=driver, is_available=lambda: True,
+    MemoryPool=MemoryPool, runtime=runtime, driver=driver, is_available=lambda: True,
 )
-
-
-def _install_driver() -> None:
-    try:
-        import ringcomm.transports.ipc as ipc
-    except ImportError:
-        return
-    ipc._driver = _Driver()
-
-
-_install_driver()
 
 
 def _install_nccl() -> None:

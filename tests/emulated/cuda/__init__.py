@@ -1,0 +1,1 @@
+"""CPU stand-in for NVIDIA's ``cuda`` namespace (cuda-bindings), for tests only: see bindings/driver.py."""

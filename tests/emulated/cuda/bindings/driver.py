@@ -1,0 +1,96 @@
+"""A CPU stand-in for the part of ``cuda.bindings.driver`` (NVIDIA's cuda-bindings) that ringcomm
+calls, answered from the emulated device memory of tests/emulated/cupy. For tests only.
+
+Same call shapes as cuda-bindings: every function returns a tuple whose first item is a
+:class:`CUresult`, then the output parameters (``err, base, size = cuMemGetAddressRange(ptr)``).
+As on a GPU, a call from a thread with no current CUDA context (no allocation, cudaSetDevice or
+``with cupy.cuda.Device(...)`` on that thread yet) returns CUDA_ERROR_INVALID_CONTEXT.
+``RINGCOMM_EMULATED_DRIVER_FAIL=<function name>[,...]``: those functions return
+CUDA_ERROR_INVALID_VALUE, to test how callers handle a failing driver.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import cupy
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_NOT_FOUND = 500
+
+
+class CUpointer_attribute(enum.IntEnum):  # noqa: N801 - cuda.h's spelling
+    CU_POINTER_ATTRIBUTE_CONTEXT = 1
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+    CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+    CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+    CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+    CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+
+
+class CUdeviceptr:
+    """A device address (cuda-bindings' CUdeviceptr: ``int()`` gives the address)."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._value = int(value)
+
+    def __int__(self) -> int:
+        return self._value
+
+    def getPtr(self) -> int:  # noqa: N802 - cuda-bindings' spelling
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<CUdeviceptr {self._value:#x}>"
+
+
+def _refused(name: str) -> CUresult | None:
+    if name in os.environ.get("RINGCOMM_EMULATED_DRIVER_FAIL", "").split(","):
+        return CUresult.CUDA_ERROR_INVALID_VALUE
+    if not cupy._has_context():
+        return CUresult.CUDA_ERROR_INVALID_CONTEXT
+    return None
+
+
+def cuMemGetAddressRange(dptr):  # noqa: N802
+    err = _refused("cuMemGetAddressRange")
+    if err is not None:
+        return err, CUdeviceptr(0), 0
+    try:
+        a = cupy._region(int(dptr))
+    except RuntimeError:
+        return CUresult.CUDA_ERROR_NOT_FOUND, CUdeviceptr(0), 0
+    return CUresult.CUDA_SUCCESS, CUdeviceptr(a.ptr), a.size
+
+
+def cuPointerGetAttribute(attribute, ptr):  # noqa: N802
+    err = _refused("cuPointerGetAttribute")
+    if err is not None:
+        return err, None
+    try:
+        a = cupy._region(int(ptr))
+    except RuntimeError:
+        return CUresult.CUDA_ERROR_INVALID_VALUE, None
+    attr = CUpointer_attribute(int(attribute))
+    if attr == CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID:
+        return CUresult.CUDA_SUCCESS, a.buffer_id
+    if attr == CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+        return CUresult.CUDA_SUCCESS, bool(a.ipc and not a.imported)
+    if attr == CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+        return CUresult.CUDA_SUCCESS, 0
+    return CUresult.CUDA_ERROR_INVALID_VALUE, None
+
+
+def cuGetErrorName(error):  # noqa: N802
+    try:
+        return CUresult.CUDA_SUCCESS, CUresult(int(error)).name.encode()
+    except ValueError:
+        return CUresult.CUDA_ERROR_INVALID_VALUE, None

@@ -1,0 +1,110 @@
+"""Faults injected into the emulated GPU (tests/emulated): a driver query that fails, a thread with
+no current CUDA context, a stream that never completes, a machine without NVRTC. Skipped on a
+real GPU, where these cannot be provoked on demand."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import make_comm, require_gpu
+from mpi4py import MPI
+
+cupy, _ngpu = require_gpu()
+if not getattr(cupy, "_emulated", False):
+    pytest.skip("fault injection needs the emulated GPU (tests/emulated)", allow_module_level=True)
+
+import ringcomm  # noqa: E402
+from ringcomm.devices import cuda as cuda_device  # noqa: E402
+
+
+def comm_with(transport: str, **kw):
+    os.environ["RINGCOMM_TRANSPORT"] = transport
+    try:
+        return make_comm(**kw)
+    finally:
+        del os.environ["RINGCOMM_TRANSPORT"]
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ipc_from_a_thread_without_a_current_context(caplog):
+    """A collective called from a new thread, whose first CUDA call is ringcomm's driver query:
+    without the array's device made current there, the query fails (CUDA_ERROR_INVALID_CONTEXT)
+    and the buffer would silently go through the scratch copy."""
+    r = MPI.COMM_WORLD.rank
+    comm = comm_with("ipc")
+    x = cupy.full(40_003, r + 1.0, cupy.float32)  # allocated in this thread
+    errors = []
+
+    def run() -> None:
+        try:
+            comm.all_reduce(x)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(120)
+    assert not errors, errors
+    assert (cupy.asnumpy(x) == sum(k + 1 for k in range(MPI.COMM_WORLD.size))).all()
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert not [m for m in messages if "scratch buffer" in m or "returned CUDA_ERROR" in m], messages
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_failing_driver_query_is_logged_once(monkeypatch, caplog):
+    """cuPointerGetAttribute failing: the buffer takes the scratch path (results stay right), and
+    the CUDA result is logged once, by name, instead of being swallowed."""
+    r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    monkeypatch.setenv("RINGCOMM_EMULATED_DRIVER_FAIL", "cuPointerGetAttribute")
+    comm = comm_with("ipc")
+    with caplog.at_level(logging.WARNING, logger="ringcomm"):
+        for i in range(3):
+            x = cupy.full(20_000, r + i, cupy.int64)
+            comm.all_reduce(x)
+            assert (cupy.asnumpy(x) == sum(k + i for k in range(n))).all()
+    logged = [rec.getMessage() for rec in caplog.records if "cuPointerGetAttribute" in rec.getMessage()]
+    assert len(logged) == 1 and "CUDA_ERROR_INVALID_VALUE" in logged[0], logged
+    assert comm.transport_name(x) == "ipc"
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.parametrize("transport", ["mpi", "staged"])
+def test_hung_stream_times_out_instead_of_hanging(monkeypatch, transport):
+    """Rank 0's stream never completes (a hung kernel). The host waits on GPU paths (the CUDA-aware
+    MPI transport's stream waits, the staged transport's copies and its error path) poll with the
+    communicator's deadline: every rank raises ringcomm.TimeoutError, none hangs."""
+    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "1")  # emulated device memory is host memory
+    r = MPI.COMM_WORLD.rank
+    timeout = 2.0
+    comm = comm_with(transport, timeout=timeout)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.full(50_000, r, cupy.float32)
+    if r == 0:
+        cupy._stall(s)
+    t0 = time.monotonic()
+    with pytest.raises(ringcomm.TimeoutError) as caught:
+        comm.all_reduce(x, stream=s)
+    took = time.monotonic() - t0
+    assert caught.value.collective == "all_reduce"
+    assert took < 2 * timeout + 5, f"took {took:.1f} s"
+
+
+def test_no_nvrtc_is_one_clear_error_at_the_first_gpu_call(monkeypatch):
+    """A machine with only a driver: CuPy cannot load NVRTC. The first GPU call says what to install."""
+    monkeypatch.setenv("RINGCOMM_EMULATED_NO_NVRTC", "1")
+    monkeypatch.setattr(cuda_device, "_modules", {})
+    monkeypatch.setattr(cuda_device, "_kernels", {})
+    comm = make_comm()
+    x = cupy.ones(10, cupy.float32)
+    with pytest.raises(RuntimeError, match=r"NVRTC.*ringcomm\[cuda\]") as caught:
+        comm.all_reduce(x)
+    assert "libnvrtc" in str(caught.value)  # CuPy's own message is kept
+    assert not comm._aborted  # raised before any communication
+    np.testing.assert_array_equal(cupy.asnumpy(x), np.ones(10, np.float32))
