@@ -12,24 +12,32 @@ from typing import Any
 import numpy as np
 
 from . import schedule
-from .arrays import classify, flat, relation, writable
+from .arrays import classify, default_stream, flat, relation, writable
 from .engine import Context
 from .ops import ReduceOp, check_dtype, parse_op
 
 
 def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
-    """(kind, flat view, device) for the input array ``x``."""
+    """(kind, flat view, device) for the input array ``x``.
+
+    A GPU collective runs on ``stream``; by default on PyTorch's current stream for a PyTorch CUDA
+    tensor, else on CuPy's current stream (arrays.default_stream). DLPack imports happen on it.
+    """
     comm._usable()
-    kind, a = classify(x, name)
+    run_on = default_stream(x, stream, name)
+    kind, a = classify(x, name, run_on)
     check_dtype(a.dtype, op)
     if stream is not None and kind == "host":
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
-    return kind, flat(a, name), comm._device(kind, stream)
+    return kind, flat(a, name), comm._device(kind, run_on)
 
 
-def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str = "out") -> Any:
-    """The flat view of a user-given output, checked for kind, dtype, size (unless None), writability."""
-    okind, o = classify(out, name)
+def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str = "out", device: Any = None) -> Any:
+    """The flat view of a user-given output, checked for kind, dtype, size (unless None), writability.
+
+    ``device``: the input's (from _input); a GPU DLPack ``out`` is imported on its stream.
+    """
+    okind, o = classify(out, name, getattr(device, "stream", None))
     if okind != kind:
         raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
     if o.dtype != dtype:
@@ -53,7 +61,7 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         writable(src, "x (all_reduce writes its result into x when out is None)")
         work = src
     else:
-        work = _output(out, kind, src.dtype, src.size)
+        work = _output(out, kind, src.dtype, src.size, device=device)
         rel = relation(work, src)
         if rel == "overlap":
             raise ValueError("out partly overlaps x; pass out=None (in place) or a separate array")
@@ -81,7 +89,7 @@ def reduce_scatter(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, strea
     kind, src, device = _input(comm, x, "x", op, stream)
     bounds = comm.shard_bounds(src.size)
     lo, hi = bounds[comm.rank]
-    result = _output(out, kind, src.dtype, hi - lo) if out is not None else device.empty(hi - lo, src.dtype)
+    result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device=device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     work = comm._scratch_array(kind, device, src.size, src.dtype)
     steps = schedule.reduce_scatter(comm.size, comm.rank)
@@ -97,7 +105,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     ctx = Context("all_gather", comm, device, src.dtype, None)
     agreed = False
     if out is not None:
-        work = _output(out, kind, src.dtype, None)
+        work = _output(out, kind, src.dtype, None, device=device)
         count = work.size
         bounds = schedule.partition(count, n)
         lo, hi = bounds[r]
@@ -140,7 +148,7 @@ def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)
     n, is_root = comm.size, comm.rank == root
-    o = None if out is None else _output(out, kind, src.dtype, src.size)
+    o = None if out is None else _output(out, kind, src.dtype, src.size, device=device)
     rel = "same" if o is None else relation(o, src)
     if rel == "overlap":
         raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")

@@ -102,7 +102,7 @@ def test_host_and_gpu_arrays_do_not_mix(comm, monkeypatch):
     with pytest.raises(TypeError, match="out: ... needs CuPy"):
         comm.all_reduce(np.ones(4, np.float32), out=FakeCudaArray(4))
     # with CuPy, a GPU out beside a numpy x (and the reverse) is refused before any communication
-    monkeypatch.setattr(collectives, "classify", lambda a, name: ("cuda", np.ones(4, np.float32)))
+    monkeypatch.setattr(collectives, "classify", lambda a, name, stream=None: ("cuda", np.ones(4, np.float32)))
     with pytest.raises(TypeError, match="the input is a host array but out is a cuda array; use one kind for both"):
         collectives._output(FakeCudaArray(4), "host", np.dtype(np.float32), 4)
 

@@ -362,6 +362,17 @@ Stream.null = Stream(null=True)
 _current: list[Stream] = []
 
 
+def ExternalStream(ptr: int, device_id: int = -1) -> Stream:  # noqa: N802 - CuPy's class
+    """``cupy.cuda.ExternalStream(ptr, device_id=-1)``: a stream made elsewhere (e.g. by PyTorch),
+    known by its handle. Here: the emulated stream with that handle itself (1, legacy, and 2,
+    per-thread, name the null stream), so that work queued through either is one queue."""
+    ptr = int(ptr)
+    stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
+    if stream is None:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
+    return stream
+
+
 def _stall(stream: Stream) -> None:
     """Tests only: from now on nothing queued on ``stream`` completes (as if a kernel hung):
     event queries stay False, and ``synchronize()`` never returns."""
@@ -594,6 +605,78 @@ def asarray(a, dtype=None) -> ndarray:
     return out
 
 
+_DL_DTYPES = {(0, 8): np.int8, (0, 16): np.int16, (0, 32): np.int32, (0, 64): np.int64, (1, 8): np.uint8,
+              (1, 16): np.uint16, (1, 32): np.uint32, (1, 64): np.uint64, (2, 16): np.float16, (2, 32): np.float32,
+              (2, 64): np.float64}
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLPackOwner:
+    """Calls a consumed DLManagedTensor's deleter when the last array over its memory goes."""
+
+    def __init__(self, managed: int, deleter: int) -> None:
+        self.managed, self.deleter = managed, deleter
+
+    def __del__(self) -> None:
+        if self.deleter:
+            ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(self.deleter)(self.managed)
+
+
+_CAPSULE_NAMES = {b"dltensor": b"used_dltensor", b"dltensor_versioned": b"used_dltensor_versioned"}
+
+
+def from_dlpack(array, *, device=None, copy=None) -> ndarray:
+    """CuPy 14's: the producer is given CuPy's current stream (the null stream as 1, cudaStreamLegacy)
+    and asked for DLPack 1.0 first; bfloat16 comes as ml_dtypes.bfloat16. C-contiguous tensors only."""
+    dev_type, _dev_id = array.__dlpack_device__()
+    if dev_type not in (2, 13):
+        raise TypeError(f"Unsupported array type: {dev_type}")
+    stream = get_current_stream().ptr or 1
+    try:
+        capsule = array.__dlpack__(stream=stream, max_version=(1, 0), copy=copy)
+    except TypeError:
+        capsule = array.__dlpack__(stream=stream)
+    capi = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)  # private: pythonapi's are shared
+    is_valid, get_pointer, set_name = (capi((f, ctypes.pythonapi)) for f in
+                                       ("PyCapsule_IsValid", "PyCapsule_GetPointer", "PyCapsule_SetName"))
+    name = next((n for n in _CAPSULE_NAMES if is_valid(capsule, n)), None)
+    if name is None:
+        raise ValueError("A DLPack tensor object cannot be consumed multiple times")
+    managed = get_pointer(capsule, name)
+    if name == b"dltensor":  # DLManagedTensor: dl_tensor, manager_ctx, deleter
+        t = _DLTensor.from_address(managed)
+        deleter = ctypes.c_void_p.from_address(managed + ctypes.sizeof(_DLTensor) + 8).value
+    else:  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, dl_tensor
+        t = _DLTensor.from_address(managed + 32)
+        deleter = ctypes.c_void_p.from_address(managed + 16).value
+    set_name(capsule, _CAPSULE_NAMES[name])  # static bytes: they live as long as the module
+    owner = _DLPackOwner(managed, deleter)
+    if t.device_type not in (2, 13):
+        raise RuntimeError("CuPy is built against CUDA, different from the backend that backs the incoming DLPack tensor")
+    if (t.code, t.bits) == (4, 16):
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    elif (t.code, t.bits) in _DL_DTYPES:
+        dtype = np.dtype(_DL_DTYPES[(t.code, t.bits)])
+    else:
+        raise TypeError(f"Unsupported dtype. dtype code: {t.code}")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    if t.strides:
+        want = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(t.ndim)]  # C order, in elements
+        if any(t.strides[i] != want[i] for i in range(t.ndim) if shape[i] > 1):
+            raise NotImplementedError("emulated cupy: from_dlpack of a non-C-contiguous tensor")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    mem = UnownedMemory((t.data or 0) + t.byte_offset, nbytes, owner)
+    return ndarray(shape, dtype, MemoryPointer(mem, 0))
+
+
 def may_share_memory(a: ndarray, b: ndarray) -> bool:
     return a.nbytes > 0 and b.nbytes > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
@@ -801,7 +884,7 @@ driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda 
 
 
 cuda = types.SimpleNamespace(
-    Stream=Stream, ExternalStream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
+    Stream=Stream, ExternalStream=ExternalStream, Event=Event, Device=Device, get_current_stream=get_current_stream,
     Memory=Memory, MemoryPointer=MemoryPointer, UnownedMemory=UnownedMemory, alloc_pinned_memory=alloc_pinned_memory,
     MemoryPool=MemoryPool, runtime=runtime, driver=driver, is_available=lambda: True,
 )

@@ -1,0 +1,171 @@
+"""Which stream a collective on a PyTorch CUDA tensor runs on, checked on the emulated GPU (one rank).
+
+Run by tests/test_torch_dlpack.py with tests/emulated first on PYTHONPATH (the CuPy stand-in,
+whose streams are lazy: queued work runs only when something waits for it) and
+RINGCOMM_EMULATED_HARNESS set. A fake ``torch`` module stands in for PyTorch's CUDA side with
+PyTorch's signatures and behaviour: ``torch.cuda.current_stream(device)`` (a non-blocking stream,
+as PyTorch's pool streams are, so not ordered with the null stream), ``Stream.cuda_stream`` and
+``device_index``, ``torch.cuda.ExternalStream(ptr)``, ``Event``, and a ``torch.Tensor`` whose
+``__cuda_array_interface__`` is version 2 without a "stream" key (raising TypeError for
+bfloat16, as PyTorch's does) and whose ``__dlpack__(*, stream=-1, max_version, dl_device, copy)``
+makes the consumer's stream wait on PyTorch's current stream unless they are the same stream
+(torch/_tensor.py). Every check: PyTorch's "kernel" writes x on its stream, the collective runs,
+PyTorch's next "kernel" reads the result on its stream, and only PyTorch's stream is synchronized
+(with stream= a CuPy stream of the caller's: only that stream, whose wait the DLPack exchange made).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import cupy
+import numpy as np
+from dlpack_producer import KDL_BFLOAT, KDL_CUDA, KDL_FLOAT, Producer
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm.ops import bfloat16
+
+
+# ----------------------------------------------------------------------------------- fake torch
+class TorchStream:
+    """torch.cuda.Stream: ``cuda_stream`` (the cudaStream_t as an int), ``device_index``."""
+
+    def __init__(self, stream: cupy.cuda.Stream) -> None:
+        self._stream, self.cuda_stream, self.device_index = stream, stream.ptr, 0
+
+    def wait_event(self, event: TorchEvent) -> None:
+        self._stream.wait_event(event._event)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TorchStream) and other.cuda_stream == self.cuda_stream
+
+    __hash__ = None
+
+
+class TorchExternalStream(TorchStream):
+    def __init__(self, stream_ptr: int, device: object = None) -> None:
+        super().__init__(cupy.cuda.ExternalStream(stream_ptr))
+
+
+class TorchEvent:
+    def __init__(self) -> None:
+        self._event = cupy.cuda.Event()
+
+    def record(self, stream: TorchStream) -> None:
+        self._event.record(stream._stream)
+
+
+_torch_stream = TorchStream(cupy.cuda.Stream(non_blocking=True))  # not PyTorch's default stream
+_default_stream = TorchStream(cupy.cuda.Stream.null)
+
+
+class Tensor:
+    """A CUDA tensor over emulated device memory (``data``, a CuPy array), as PyTorch exports one."""
+
+    def __init__(self, data: cupy.ndarray) -> None:
+        self.data, self.dlpack_streams = data, []
+        self.is_cuda = True
+        self.device = types.SimpleNamespace(type="cuda", index=0)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.data.dtype == bfloat16:
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return {"typestr": self.data.dtype.str, "shape": self.data.shape, "strides": None,
+                "data": (self.data.data.ptr, False), "version": 2}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, 0)
+
+    def __dlpack__(self, *, stream=-1, max_version=None, dl_device=None, copy=None):
+        self.dlpack_streams.append(stream)
+        if stream != -1:
+            consumer = _default_stream if stream in (None, 1) else TorchExternalStream(stream)
+            current = _torch_stream
+            if consumer != current:  # "Only synchronize on different streams"
+                event = TorchEvent()
+                event.record(current)
+                consumer.wait_event(event)
+        code = KDL_BFLOAT if self.data.dtype == bfloat16 else KDL_FLOAT
+        producer = Producer(self.data, code=code, bits=16 if code == KDL_BFLOAT else None, device=(KDL_CUDA, 0),
+                            ptr=self.data.data.ptr)
+        return producer.__dlpack__(max_version=max_version)
+
+
+torch = types.ModuleType("torch")
+torch.Tensor = Tensor
+torch.cuda = types.SimpleNamespace(
+    Stream=TorchStream, ExternalStream=TorchExternalStream, Event=TorchEvent,
+    current_stream=lambda device=None: _torch_stream, default_stream=lambda device=None: _default_stream,
+)
+sys.modules["torch"] = torch
+
+
+# ---------------------------------------------------------------------------------------- checks
+def torch_writes(a: cupy.ndarray, values: np.ndarray) -> None:
+    """PyTorch's kernel writing ``values`` into ``a``, queued on PyTorch's current stream."""
+    with _torch_stream._stream:
+        a[...] = cupy.asarray(values)
+
+
+def torch_reads(a: cupy.ndarray) -> np.ndarray:
+    """PyTorch's next kernel copying ``a``, on its stream; then only that stream is synchronized."""
+    with _torch_stream._stream:
+        seen = a.copy()
+    _torch_stream.synchronize()
+    return seen._np().copy()  # no cupy-wide flush: what PyTorch's stream saw
+
+
+def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> list[str]:
+    rng = np.random.default_rng()
+    n = 1000
+    values = rng.standard_normal(n).astype(dtype)
+    src, dst = cupy.empty(n, dtype), cupy.empty(n, dtype)
+    dst.set(np.full(n, np.nan, dtype))
+    x, y = Tensor(src), Tensor(dst)
+    torch_writes(src, values)
+    stream = {"default": None, "torch": _torch_stream, "cupy": cupy.cuda.Stream(non_blocking=True)}[stream_kind]
+    what = f"{dtype} all_reduce(x, out=y, stream={stream_kind})"
+    errors = []
+    comm.all_reduce(x, out=y, stream=stream)
+    if stream_kind == "cupy":  # the caller's own stream: the DLPack exchange orders it after PyTorch's work
+        stream.synchronize()
+        got = dst._np().copy()
+    else:
+        got = torch_reads(dst)
+    if got.tobytes() != values.tobytes():
+        wrong = int(np.count_nonzero(got.view(np.uint8) != values.view(np.uint8)))
+        errors.append(f"{what}: the result seen on the collective's stream differs from x ({wrong} bytes differ; "
+                      f"first elements {got[:3]} vs {values[:3]})")
+    # imported by DLPack (not by the interface, which names no stream), asking with the collective's stream
+    want = _torch_stream.cuda_stream if stream_kind != "cupy" else stream.ptr
+    for name, t in (("x", x), ("y", y)):
+        if t.dlpack_streams != [want]:
+            errors.append(f"{what}: {name}.__dlpack__ was called with stream={t.dlpack_streams}, expected [{want}]")
+    return errors
+
+
+def main() -> int:
+    errors = []
+    for dtype in (np.dtype(np.float32), bfloat16):  # with and without a __cuda_array_interface__
+        for stream_kind in ("default", "torch", "cupy"):
+            comm = ringcomm.Communicator(MPI.COMM_WORLD, timeout=30)  # one per case: an error aborts it
+            try:
+                found = check(comm, dtype, stream_kind)
+            except Exception as e:  # noqa: BLE001 - report every case, then fail
+                found = [f"{dtype} stream={stream_kind}: {type(e).__name__}: {e}"]
+            comm.close()
+            errors += found
+            print(f"{dtype} stream={stream_kind}: {'FAIL' if found else 'ok'}")
+    for e in errors:
+        print(e)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
