@@ -145,7 +145,7 @@ class RingcommImpl:
             ("reduce", False): lambda: comm.reduce(s, op, root, out=r, **kw),
             ("reduce", True): lambda: comm.reduce(r, op, root, **kw),
         }
-        sync = self.stream.synchronize if self.stream is not None else _no_sync
+        sync = stream_sync(comm, self.stream) if self.stream is not None else _no_sync
         return Prepared(calls[c, inplace], result_view(case, arrays, inplace), sync)
 
 
@@ -187,6 +187,7 @@ class MpiImpl:
         dup, request = comm.mpi.Idup()
         wait([request], setup, None, comm.left, "duplicating the MPI communicator for the MPI baseline")
         self.mpi = dup
+        self.comm = comm
         self.size = comm.size
         self.device = device
         self.staged = device != "host" and not cuda_aware
@@ -308,9 +309,9 @@ class MpiImpl:
             raise ValueError(c)
 
         if not self.staged:
-            return Prepared(call, result, _no_sync if self.device == "host" else device_sync)
+            return Prepared(call, result, _no_sync if self.device == "host" else stream_sync(self.comm))
         pairs = {"send": (arrays.send, s), "recv": (arrays.recv, r)}
-        return Prepared(_staged(call, pairs, down, up), result, device_sync)
+        return Prepared(_staged(call, pairs, down, up), result, stream_sync(self.comm))
 
 
 def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], down: tuple[str, slice],
@@ -329,12 +330,26 @@ def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], 
     return run
 
 
-def device_sync() -> None:
-    """Wait for the work queued on CuPy's current stream (GPU runs: loads, poison, staged copies),
-    so that what reads the arrays next, from another stream or through MPI, sees it."""
-    import cupy
+def stream_sync(comm: Any, stream: Any = None) -> Callable[[], None]:
+    """A function that waits for the work queued on ``stream`` (default: CuPy's current stream at
+    the time of the wait: loads, poison, staged copies), so that what reads the arrays next, from
+    another stream or through MPI, sees it. It polls an event under the communicator's deadline
+    (like every ringcomm wait): a hung kernel is a ringcomm.TimeoutError, not a hang."""
+    from ..transports.base import wait_until
 
-    cupy.cuda.get_current_stream().synchronize()
+    ctx = Context("ringcomm-bench", comm, HostDevice(), np.dtype(np.uint8), None)
+    events: list = []  # made at the first wait (CuPy is imported only where it runs)
+
+    def sync() -> None:
+        import cupy
+
+        if not events:
+            events.append(cupy.cuda.Event(block=False, disable_timing=True))
+        event = events[0]
+        event.record(stream if stream is not None else cupy.cuda.get_current_stream())
+        wait_until(lambda: event.done, ctx, None, comm.rank, "this rank's GPU work (benchmark synchronisation)")
+
+    return sync
 
 
 # --------------------------------------------------------------------------------------------- NCCL
@@ -391,8 +406,9 @@ class NcclImpl:
 
     name = "nccl"
 
-    def __init__(self, nccl: Any, ncomm: Any, stream: Any, version: str) -> None:
+    def __init__(self, nccl: Any, ncomm: Any, stream: Any, version: str, comm: Any) -> None:
         self.nccl, self.ncomm, self.stream, self.version = nccl, ncomm, stream, version
+        self.sync = stream_sync(comm, stream)
         self._v = _version_tuple(version)
         self.mark, self.footnote = "", None
 
@@ -435,7 +451,7 @@ class NcclImpl:
             if ncomm is not None:
                 ncomm.destroy()
             return None, f"NCCL {version}: {whys[0]}{cls._shared_gpu_hint(version, ranks_per_gpu)}"
-        impl = cls(nccl, ncomm, stream, version)
+        impl = cls(nccl, ncomm, stream, version, comm)
         if shared:
             impl.mark = "*"
             if mps:
@@ -501,7 +517,7 @@ class NcclImpl:
             run = lambda: nc.reduce(src, r, case.count, dt, op, case.root, st)  # noqa: E731
         else:
             raise ValueError(c)
-        return Prepared(run, result_view(case, arrays, inplace), self.stream.synchronize)
+        return Prepared(run, result_view(case, arrays, inplace), self.sync)
 
 
 def _version() -> str:

@@ -108,3 +108,19 @@ def test_no_nvrtc_is_one_clear_error_at_the_first_gpu_call(monkeypatch):
     assert "libnvrtc" in str(caught.value)  # CuPy's own message is kept
     assert not comm._aborted  # raised before any communication
     np.testing.assert_array_equal(cupy.asnumpy(x), np.ones(10, np.float32))
+
+
+def test_bench_synchronisation_has_the_deadline():
+    """The benchmark waits for each call's stream: a hung stream is a TimeoutError, not a hang."""
+    from ringcomm.bench.impls import stream_sync
+
+    comm = make_comm(timeout=1.0)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        cupy.ones(8, cupy.float32)
+    stream_sync(comm, s)()  # completes
+    cupy._stall(s)
+    t0 = time.monotonic()
+    with pytest.raises(ringcomm.TimeoutError, match="benchmark synchronisation"):
+        stream_sync(comm, s)()
+    assert time.monotonic() - t0 < 5
