@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +150,53 @@ def require_gpu():
 @pytest.fixture
 def seed() -> int:
     return shared_seed(MPI.COMM_WORLD)
+
+
+# ------------------------------------------------------------------------------- the emulated GPU
+ROOT = Path(__file__).resolve().parent.parent
+CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def real_cupy() -> bool:
+    """Whether a real CuPy is installed (then GPU tests run on the GPU, not on the emulated one)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return not getattr(cupy, "_emulated", False)
+
+
+def why_not_emulated() -> str:
+    """Why processes on the emulated GPU (tests/emulated) cannot run here; "" when they can."""
+    if CXX is None:
+        return "no host C++ compiler found"
+    if shutil.which("mpiexec") is None:
+        return "no mpiexec"
+    return "CuPy is installed: these run on the GPU" if real_cupy() else ""
+
+
+@pytest.fixture(scope="session")
+def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process that sees the emulated GPU: tests/emulated first on
+    PYTHONPATH, the kernels' C++ harness (tests/csrc_harness.cpp) built once per session."""
+    why = why_not_emulated()
+    if why:
+        pytest.skip(why)
+    lib = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
+    build = [CXX, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas",
+             str(ROOT / "tests" / "csrc_harness.cpp"), "-o", str(lib)]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
+    env.setdefault("RINGCOMM_TEST_TIMEOUT", "60")
+    env.pop("RINGCOMM_TRANSPORT", None)
+    return env
+
+
+def run_emulated(env: dict[str, str], cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (python is this interpreter) in the repository root, in ``env``; output captured."""
+    return subprocess.run([sys.executable if c == "python" else c for c in cmd], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)

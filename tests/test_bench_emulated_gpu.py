@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import TEST_TIMEOUT
+from conftest import TEST_TIMEOUT, run_emulated, why_not_emulated
 from mpi4py import MPI
 
 import ringcomm
@@ -29,52 +25,25 @@ from ringcomm import schedule
 from ringcomm.bench import impls
 from ringcomm.bench.report import parse_tables
 
-ROOT = Path(__file__).resolve().parent.parent
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 SWEEP = ["-b", "512", "-e", "4K", "-f", "8", "-n", "2", "-w", "1"]
-
-
-def _real_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return not getattr(sys.modules["cupy"], "_emulated", False)
-
-
-def _why_not_emulated() -> str:
-    if CXX is None:
-        return "no host C++ compiler found"
-    if shutil.which("mpiexec") is None:
-        return "no mpiexec"
-    return "CuPy is installed: the benchmark runs on the GPU" if _real_cupy() else ""
-
-
-emulated_gpu = pytest.mark.skipif(bool(_why_not_emulated()), reason=_why_not_emulated() or "runs")
+emulated_gpu = pytest.mark.skipif(bool(why_not_emulated()), reason=why_not_emulated() or "runs")
 
 
 @pytest.fixture(scope="module")
-def gpu_env(tmp_path_factory):
-    """The environment of a process that sees the emulated GPU (the harness built once)."""
-    lib = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    build = [CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas",
-             str(ROOT / "tests" / "csrc_harness.cpp"), "-o", str(lib)]
-    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "emulated"), str(ROOT), env.get("PYTHONPATH", "")])
-    env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
+def gpu_env(emulated_gpu_env):
+    """The emulated GPU's environment, without the variables these runs set themselves."""
+    env = dict(emulated_gpu_env)
     env["RINGCOMM_TIMEOUT"] = str(int(TEST_TIMEOUT))
-    for name in ("RINGCOMM_TRANSPORT", "NCCL_MULTI_RANK_GPU_ENABLE", "RINGCOMM_EMULATED_NCCL_VERSION",
-                 "RINGCOMM_EMULATED_NCCL_CORRUPT", "CUDA_MPS_PIPE_DIRECTORY"):
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "RINGCOMM_EMULATED_NCCL_VERSION", "RINGCOMM_EMULATED_NCCL_CORRUPT",
+                 "CUDA_MPS_PIPE_DIRECTORY"):
         env.pop(name, None)
     return env
 
 
 def _bench(env: dict, args: list[str], **extra: str) -> tuple[int, str, str]:
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "ringcomm.bench", "--device", "cuda",
+    cmd = ["mpiexec", "-n", "2", "python", "-m", "ringcomm.bench", "--device", "cuda",
            "--impl", "ringcomm,nccl,mpi", "--timeout", "60", *args]
-    run = subprocess.run(cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=240)
+    run = run_emulated({**env, **extra}, cmd, 240)
     return run.returncode, run.stdout, run.stderr
 
 

@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_comm
+from conftest import make_comm, real_cupy, run_emulated
 from dlpack_producer import KDL_BFLOAT, KDL_FLOAT, Producer
 from mpi4py import MPI
 
 from ringcomm.arrays import classify
 from ringcomm.ops import bfloat16
 
-ROOT = Path(__file__).resolve().parent.parent
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 TORCH_DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -195,35 +188,12 @@ def test_torch_cpu_tensors_two_ranks():
 
 
 # ---------------------------------------------------------------------------------- torch, GPU
-def _real_cupy() -> bool:
-    try:
-        import cupy
-    except ImportError:
-        return False
-    return not getattr(cupy, "_emulated", False)
-
-
-@pytest.mark.skipif(CXX is None, reason="no host C++ compiler found")
-@pytest.mark.skipif(_real_cupy(), reason="CuPy is installed: see test_torch_cuda_tensors_on_a_gpu")
-def test_torch_cuda_tensors_run_on_torchs_current_stream_emulated(tmp_path):
-    lib = tmp_path / "libringcomm_harness.so"
-    source = str(ROOT / "tests" / "csrc_harness.cpp")
-    build = [CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", source, "-o", str(lib)]
-    done = subprocess.run(build, check=False, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]
-    )
-    env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
-    env.pop("RINGCOMM_TRANSPORT", None)
-    script = str(ROOT / "tests" / "emulated_torch_streams.py")
-    run = subprocess.run([sys.executable, script], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+def test_torch_cuda_tensors_run_on_torchs_current_stream_emulated(emulated_gpu_env):
+    run = run_emulated(emulated_gpu_env, ["python", "tests/emulated_torch_streams.py"], 300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
 
 
-@pytest.mark.skipif(not HAVE_TORCH or not _real_cupy(), reason="needs PyTorch and CuPy")
+@pytest.mark.skipif(not HAVE_TORCH or not real_cupy(), reason="needs PyTorch and CuPy")
 def test_torch_cuda_tensors_on_a_gpu(comm):
     import cupy
     import torch
