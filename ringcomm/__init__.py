@@ -9,7 +9,7 @@
 from typing import Any
 
 from . import schedule
-from .errors import MismatchError, RingcommError, TimeoutError
+from .errors import AbortError, MismatchError, RingcommError, TimeoutError
 from .ops import SUPPORTED_DTYPES, ReduceOp, bfloat16
 
 __version__ = "0.1.0"
@@ -25,6 +25,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ringcomm' has no attribute {name!r}")
 
 __all__ = [
-    "Communicator", "MismatchError", "ReduceOp", "RingcommError", "SUPPORTED_DTYPES", "TimeoutError",
+    "AbortError", "Communicator", "MismatchError", "ReduceOp", "RingcommError", "SUPPORTED_DTYPES", "TimeoutError",
     "bfloat16", "init", "schedule", "__version__",
 ]

@@ -73,11 +73,13 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
         plan, fold, reused = comm._gather_plan(ctx, kind, count)
-        reused.take(device, plan.buf.nbytes)  # after the previous call's use (maybe on another stream)
+        if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
+            reused.after(device)
         device.copy(plan.buf[r * count : (r + 1) * count], src)
         comm._run_plan(ctx, count, plan)
         fold(ctx, work)
-        reused.done(device)
+        if reused is not None:
+            reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))

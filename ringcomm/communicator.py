@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, devices, schedule, transports
+from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .engine import Context, Fold, Plan, execute
-from .errors import MismatchError, RingcommError
+from .errors import AbortError, MismatchError, RingcommError
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .schedule import Bounds, partition
 from .transports.base import wait
@@ -24,6 +24,8 @@ DEFAULT_SMALL_BYTES = 4096
 PLAN_LIMIT = 64  # cached small all-reduce plans (one per count and dtype)
 
 _CLOSED = "closed by Communicator.close()"
+#: bytes of an abort message: the origin rank (int64), then its error in UTF-8
+ABORT_BYTES = 256
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
 _OPS = (None,) + tuple(ReduceOp)
 
@@ -43,6 +45,8 @@ class Communicator:
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
     (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off). Creating a Communicator is collective.
     """
+
+    _ready = False  # set once the communicator exists: waits then also watch for aborts and mismatches
 
     def __init__(
         self, mpi_comm: MPI.Intracomm, *, timeout: float = DEFAULT_TIMEOUT, check: bool = False,
@@ -76,10 +80,16 @@ class Communicator:
         #: payload bytes this rank has sent in collectives (not counting metadata or checks)
         self.bytes_sent = 0
         self._seq = 0
+        #: collectives started (every rank counts alike): the call number in message tags
+        self._calls = 0
+        self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
         self._aborted: str | None = None
+        self._abort_sent: list = []  # (message, request) of the abort messages sent to the neighbours
+        self._probe = MPI.Status()
         self._transports: dict[str, Any] = {}
         self._scratch: dict[str, Any] = {}
         self._plans: dict[tuple, Any] = {}
+        self._ready = True
 
     # ------------------------------------------------------------------ the collectives
     def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
@@ -202,8 +212,62 @@ class Communicator:
         except MismatchError:
             raise
         except RingcommError as e:
-            self._aborted = f"{type(e).__name__}: {e}"
+            self._abort(e)
             raise
+
+    # ------------------------------------------------------------------ aborts and mismatches
+    def _abort(self, error: BaseException) -> None:
+        """Mark the communicator aborted and tell both ring neighbours, which do the same (once)."""
+        if self._aborted:
+            return
+        self._aborted = f"{type(error).__name__}: {error}"
+        if self.size == 1:
+            return
+        origin, reason = (error.origin, error.reason) if isinstance(error, AbortError) else (self.rank, self._aborted)
+        note = np.zeros(ABORT_BYTES, np.uint8)
+        note[:8].view(np.int64)[0] = origin
+        text = reason.encode("utf-8", "replace")[: ABORT_BYTES - 8]
+        note[8 : 8 + len(text)] = np.frombuffer(text, np.uint8)
+        for peer in {self.left, self.right}:
+            try:
+                self._abort_sent.append((note, self.mpi.Isend(note, peer, tags.ABORT)))
+            except MPI.Exception:  # the first error is the one to report
+                pass
+
+    def _watch(self, ctx: Context, step: int | None, peer: int) -> None:
+        """Called by every wait that lasts (transports.base.wait_until), every few milliseconds.
+
+        Raises AbortError when a neighbour aborted (after passing it on), and MismatchError when a
+        neighbour sent a message that this call cannot receive: a tag not of ``ctx.expect`` (another
+        collective, dtype, op, root or channel) from this call or an earlier one. A message of a
+        later call is no evidence (a neighbour may be one call ahead); the wait goes on.
+        """
+        if not self._ready or self.size == 1 or self._aborted == _CLOSED:
+            return
+        st, neighbours = self._probe, (self.left, self.right) if self.left != self.right else (self.left,)
+        for nb in neighbours:
+            if self.mpi.Iprobe(nb, tags.ABORT, st):
+                note = np.zeros(ABORT_BYTES, np.uint8)
+                self.mpi.Recv(note, nb, tags.ABORT)
+                origin = int(note[:8].view(np.int64)[0])
+                reason = bytes(note[8:]).rstrip(b"\0").decode("utf-8", "replace")
+                error = AbortError(ctx.collective, step, self.rank, peer, origin, reason)
+                self._abort(error)
+                raise error
+        if not ctx.expect:
+            return
+        layout = self._layout
+        for nb in neighbours:
+            if self.mpi.Iprobe(nb, MPI.ANY_TAG, st):
+                tag = st.Get_tag()
+                if tag in ctx.expect or tag == tags.ABORT or layout.later(tag, ctx.call):
+                    continue
+                at = "during set-up" if step is None else f"at step {step}"
+                raise MismatchError(
+                    f"{ctx.collective}: rank {nb} sent a message of {layout.describe(tag, ctx.call)}, but rank "
+                    f"{self.rank} is in {layout.describe(ctx.expect[0], ctx.call)} ({at}, waiting for rank {peer}): "
+                    "the ranks did not make the same call"
+                )
 
     def _agree(self, ctx: Context, kind: str, count: int, root: int, extra: int = 0) -> np.ndarray:
         """Exchange (call number, collective, count, dtype, op, root, extra) with every rank.
@@ -239,9 +303,10 @@ class Communicator:
 
     def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any]:
         """The cached (Plan, Fold, Reused) of a small all-reduce of ``count`` elements: the plan
-        all-gathers N whole buffers into a buffer of its own (the Reused), the fold reduces them
-        into the result. The caller takes the buffer (ordering its stream after the buffer's last
-        use) before the call and marks it done after the fold.
+        all-gathers N whole buffers into a buffer of its own, the fold reduces them into the
+        result. On GPUs the buffer is a Reused one: the caller orders its stream after the
+        buffer's last use before the call and marks it done after the fold (None on the host,
+        where every operation is complete when it returns).
 
         Each plan owns N·count elements (at most N·small_bytes bytes); at most PLAN_LIMIT are kept
         (all freed, between collectives, when there would be more).
@@ -252,8 +317,11 @@ class Communicator:
             if len(self._plans) >= PLAN_LIMIT:
                 self._free_plans()
             n = self.size
-            reused = devices.Reused()
-            blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
+            if kind == "host":
+                reused, blocks = None, ctx.device.empty(n * count, ctx.dtype)
+            else:
+                reused = devices.Reused()
+                blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
             plan = Plan(ctx, schedule.all_gather(n, self.rank), schedule.blocks(count, n), blocks, self._transport(kind))
             cached = self._plans[key] = (plan, Fold(blocks, count, schedule.partition(count, n), n), reused)
         return cached
@@ -264,26 +332,36 @@ class Communicator:
     def _free_plans(self) -> None:
         for plan, _, reused in self._plans.values():
             plan.free()
-            reused.free()
+            if reused is not None:
+                reused.free()
         self._plans.clear()
 
     def _launch(
         self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, transport: Any, nsteps: int, run: Any
     ) -> None:
-        """The agreement check (if enabled and not ``agreed`` already), the DEBUG log line, then
-        ``run()`` (which returns the payload bytes sent); any error in it aborts the communicator."""
+        """The agreement check (if enabled and not ``agreed`` already), the call's identity (its
+        number and message tag), the DEBUG log line, then ``run()`` (which returns the payload
+        bytes sent); any error in it aborts the communicator, and the neighbours are told."""
         if self.check and not agreed:
             self._guarded(lambda: self._agree(ctx, ctx.collective, count, root))
+        self._calls += 1
+        ctx.call, ctx.root = self._calls, root
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s: rank %d/%d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d",
-                ctx.collective, self.rank, self.size, count, ctx.dtype, ctx.op, algorithm, transport.name,
+                "%s: rank %d/%d call %d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d",
+                ctx.collective, self.rank, self.size, ctx.call, count, ctx.dtype, ctx.op, algorithm, transport.name,
                 ctx.device.name, nsteps,
             )
         try:
             self.bytes_sent += run()
+        except MPI.Exception as e:  # no raw MPI error leaves a collective
+            error = RingcommError(
+                f"{ctx.collective} call {ctx.call}: MPI error on rank {self.rank}: {e.Get_error_string()}"
+            )
+            self._abort(error)
+            raise error from e
         except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
-            self._aborted = f"{type(e).__name__}: {e}"
+            self._abort(e)
             raise
 
 def init(**options: Any) -> Communicator:

@@ -21,9 +21,11 @@ from .schedule import Bounds, Step, fold_order
 
 
 class Context:
-    """What one collective call's transports need to know: names for errors, dtype, op, device."""
+    """What one collective call's transports need to know: names for errors, dtype, op, device,
+    and the call's identity: its root and number (set by the Communicator when the call starts)
+    and the base MPI tag of its messages (:meth:`identity`; None for set-up waits)."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -31,6 +33,17 @@ class Context:
         self.device = device  # reduces and copies (ringcomm.devices)
         self.dtype = dtype
         self.op = op
+        self.root = -1
+        self.call = 0
+        self.tag: int | None = None
+        #: the tags this call's messages may carry (set by the transport; empty: set-up waits, unchecked)
+        self.expect: tuple[int, ...] = ()
+
+    def identity(self) -> int:
+        """The base MPI tag of this call's messages (ringcomm.tags), made on first use."""
+        if self.tag is None:
+            self.tag = self.comm._layout.base(self.collective, self.dtype, self.op, self.root, self.call)
+        return self.tag
 
 
 def execute(
@@ -93,6 +106,10 @@ class Plan:
     When the transport can prepare a step (``transport.prepare``: the MPI transport makes persistent
     requests, MPI_Send_init/Recv_init), a run restarts them with no set-up at all; otherwise a run
     is the engine's loop, :func:`execute`. Used where latency is everything: small all-reduces.
+
+    A persistent request's tag is fixed, so the steps are prepared once per (op, parity of the call
+    number): each run's messages still name the collective, dtype, op and, by parity, the call
+    (ringcomm.tags), and a rank that skipped one call cannot match its neighbours' messages.
     """
 
     def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, transport: Any) -> None:
@@ -100,30 +117,49 @@ class Plan:
             raise ValueError("a Plan runs copy steps only")
         self.steps, self.bounds, self.buf, self.transport = steps, bounds, buf, transport
         self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
-        self.prepared = None
-        prepare = getattr(transport, "prepare", None)
-        if prepare is not None:
-            def view(chunk: int | None) -> Any:
-                return None if chunk is None else buf[slice(*bounds[chunk])]
-
-            self.prepared = [prepare(ctx, st, view(st.send), view(st.recv)) for st in steps]
-            if None in self.prepared:  # this transport cannot prepare these buffers: the engine's loop
-                self.free()
+        self._prepare = getattr(transport, "prepare", None)
+        self._prepared: tuple[dict, dict] = ({}, {})  # by parity of the call number, then by op
 
     def run(self, ctx: Context) -> int:
         """Run the steps; return the payload bytes this rank sent."""
-        if self.prepared is None:
+        if self._prepare is None:
             return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.transport)
-        for st, prepared in zip(self.steps, self.prepared):
-            prepared.run(ctx, st)
+        prepared = self._prepared[ctx.call & 1].get(ctx.op)
+        if prepared is None:
+            prepared = self._make(ctx)
+            if prepared is None:  # this transport cannot prepare these buffers: the engine's loop
+                return self.run(ctx)
+        for st, step in zip(self.steps, prepared):
+            step.run(ctx, st)
         return self.sent
+
+    def _make(self, ctx: Context) -> list | None:
+        from .tags import PLAN
+
+        def view(chunk: int | None) -> Any:
+            return None if chunk is None else self.buf[slice(*self.bounds[chunk])]
+
+        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call & 1) | PLAN
+        prepared = [self._prepare(ctx, st, view(st.send), view(st.recv), tag) for st in self.steps]
+        if None in prepared:
+            self._free([p for p in prepared if p is not None])
+            self._prepare = None
+            return None
+        self._prepared[ctx.call & 1][ctx.op] = prepared
+        return prepared
+
+    @staticmethod
+    def _free(prepared: list) -> None:
+        for p in prepared:
+            p.free()
 
     def free(self) -> None:
         """Release what the transport prepared (the plan is not run again)."""
-        for prepared in self.prepared or ():
-            if prepared is not None:
-                prepared.free()
-        self.prepared = None
+        for by_op in self._prepared:
+            for prepared in by_op.values():
+                self._free(prepared)
+            by_op.clear()
+        self._prepare = None
 
 
 class Fold:

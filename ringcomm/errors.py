@@ -32,3 +32,22 @@ class TimeoutError(RingcommError, builtins.TimeoutError):  # noqa: A001 - the na
 
 class MismatchError(RingcommError):
     """Ranks called different collectives or gave different arguments (``check=True``)."""
+
+
+class AbortError(RingcommError):
+    """Another rank aborted the communicator while this one was in a collective (abort propagation).
+
+    A rank that fails inside a collective (a timeout, a mismatch, an MPI error) tells both ring
+    neighbours, which abort too and pass it on, so every rank raises within milliseconds instead
+    of after its own timeout. ``origin``: the rank where the failure started; ``reason``: its
+    error; ``collective``, ``step``, ``rank``, ``peer``: what this rank was waiting for.
+    """
+
+    def __init__(self, collective: str, step: int | None, rank: int, peer: int, origin: int, reason: str):
+        self.collective, self.step, self.rank, self.peer = collective, step, rank, peer
+        self.origin, self.reason = origin, reason
+        where = "during set-up" if step is None else f"at step {step}"
+        super().__init__(
+            f"{collective}: rank {rank} stopped {where} (waiting for rank {peer}): rank {origin} aborted the "
+            f"communicator: {reason}"
+        )

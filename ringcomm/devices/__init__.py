@@ -42,6 +42,10 @@ class Reused:
         self._device = device
         return self.buf[:nbytes]
 
+    def after(self, device: Any) -> None:
+        """Order ``device``'s stream after the buffer's last use (:meth:`take` without resizing)."""
+        device.after(self._last)
+
     def done(self, device: Any) -> None:
         """Record the end of this call's use (after the last operation queued on it)."""
         self._last = device.record(self._last)

@@ -14,6 +14,7 @@ class HostDevice:
 
     name = "host"
     xp = np
+    stream = None
 
     def __init__(self) -> None:
         self._f32 = np.empty(0, np.float32)  # accumulation scratch for half types, grown once

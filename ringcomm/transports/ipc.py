@@ -48,12 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from .. import tags
+from ..errors import MismatchError
 from .base import cancel, wait
 from .staged import EventPool, StagedTransport, wait_event
 
 log = logging.getLogger("ringcomm")
 
-TAG_HANDLES, TAG_READY, TAG_DONE, TAG_RELEASED = 41, 42, 43, 44
 SRC, WORK, SCRATCH = 0, 1, 2
 #: descriptor words per buffer slot: state, offset in allocation, nbytes, allocation size, 8 words of handle
 _DESC = 12
@@ -193,6 +194,11 @@ class IpcTransport:
         self.stream = self.device.stream
         self._dtype = np.dtype(ctx.dtype)
         self._work, self._src = work, src
+        base = ctx.identity()
+        self._t_handles, self._t_ready, self._t_done, self._t_released = (
+            base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
+        # (and data: a neighbour whose agreement completed first may be sending as the staged fallback)
+        ctx.expect = (self._t_handles, self._t_ready, self._t_done, self._t_released, base | tags.DATA)
         mpi, left, right = self.comm.mpi, self.comm.left, self.comm.right
         problem = ""
         try:
@@ -202,8 +208,8 @@ class IpcTransport:
             problem = f"exporting this rank's buffers failed: {e}"
             self._desc_out[:, 0] = _FAILED
         self._fill_releases(closing=False)
-        wait([mpi.Irecv(self._desc_in, left, TAG_HANDLES), mpi.Isend(self._desc_out, right, TAG_HANDLES),
-              mpi.Irecv(self._release_in, right, TAG_RELEASED), mpi.Isend(self._release_out, left, TAG_RELEASED)],
+        wait([mpi.Irecv(self._desc_in, left, self._t_handles), mpi.Isend(self._desc_out, right, self._t_handles),
+              mpi.Irecv(self._release_in, right, self._t_released), mpi.Isend(self._release_out, left, self._t_released)],
              ctx, None, left, "exchanging CUDA IPC handles")
         self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in (SRC, WORK, SCRATCH)})
         if not problem:
@@ -352,7 +358,7 @@ class IpcTransport:
         self._incoming = None
         if recv_count:
             row = self._row(self._ready_in)
-            self._incoming = (mpi.Irecv(row, left, TAG_READY), row, recv_count)
+            self._incoming = (mpi.Irecv(row, left, self._t_ready), row, recv_count)
         if send is not None and send.size:
             slot, offset = self._locate(send)
             if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
@@ -363,8 +369,8 @@ class IpcTransport:
             wait_event(ev, ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
             out = self._row(self._ready_out)
             out[:] = (step.index, slot, offset, send.nbytes)
-            self._sends.append(mpi.Isend(out, right, TAG_READY))
-            self._done_pending.append((step.index, mpi.Irecv(self._row(self._done_in), right, TAG_DONE)))
+            self._sends.append(mpi.Isend(out, right, self._t_ready))
+            self._done_pending.append((step.index, mpi.Irecv(self._row(self._done_in), right, self._t_done)))
         if recv_count:  # this step's kernel writes this rank's work: earlier readers must be done
             self._wait_done_before(step)
         self._seq += 1
@@ -398,10 +404,12 @@ class IpcTransport:
         wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)
         index, slot, offset, nbytes = (int(v) for v in row)
         view = self._peer[slot] if 0 <= slot <= SCRATCH else None
-        if index != step.index or nbytes != count * self._dtype.itemsize or view is None:
-            raise RuntimeError(
-                f"ipc transport: rank {self.comm.left} announced step {index}, slot {slot}, {nbytes} bytes; "
-                f"expected step {step.index}, {count * self._dtype.itemsize} bytes (protocol error)"
+        want = count * self._dtype.itemsize
+        if nbytes != want or index != step.index or view is None:
+            raise MismatchError(
+                f"{self.ctx.collective} call {self.ctx.call}: rank {self.comm.rank} expected {want} bytes of chunk "
+                f"{step.recv} from rank {self.comm.left} at step {step.index}, and rank {self.comm.left} announced "
+                f"{nbytes} bytes at its step {index}: the ranks disagree on the count or the dtype"
             )
         self._reading = True
         yield 0, count, view[offset: offset + nbytes].view(self._dtype)
@@ -417,7 +425,7 @@ class IpcTransport:
             wait_event(ev, self.ctx, step.index, self.comm.left, "this rank's kernel reading chunk %s", step.recv)
             out = self._done_out[self._seq - 1]
             out[0] = step.index
-            self._sends.append(self.comm.mpi.Isend(out, self.comm.left, TAG_DONE))
+            self._sends.append(self.comm.mpi.Isend(out, self.comm.left, self._t_done))
             self._reading = False
         self._events.reset()  # every event used so far has completed
         return None
@@ -462,10 +470,12 @@ class IpcTransport:
         from ..devices import HostDevice
 
         ctx = Context("Communicator.close()", self.comm, HostDevice(), np.dtype(np.uint8), None)
+        call = self.comm._calls + 1  # after the last collective: a neighbour still in it waits on
+        tag = self.comm._layout.base("close", ctx.dtype, None, -1, call) | tags.RELEASED
+        ctx.call, ctx.tag, ctx.expect = call, tag, (tag,)
         self._fill_releases(closing=True)
         mpi = self.comm.mpi
-        wait([mpi.Irecv(self._release_in, self.comm.right, TAG_RELEASED),
-              mpi.Isend(self._release_out, self.comm.left, TAG_RELEASED)],
+        wait([mpi.Irecv(self._release_in, self.comm.right, tag), mpi.Isend(self._release_out, self.comm.left, tag)],
              ctx, None, self.comm.right, "the right neighbour to close its CUDA IPC mappings of this rank's memory")
         self._unpin_released()
         self._scratch = None
@@ -474,10 +484,10 @@ class IpcTransport:
     def abort(self) -> None:
         if self.fallback is not None:
             return self.fallback.abort()
-        reqs = list(self._sends) + [req for _, req in self._done_pending]
+        recvs = [req for _, req in self._done_pending]
         if self._incoming is not None:
-            reqs.append(self._incoming[0])
-        cancel(reqs)
+            recvs.append(self._incoming[0])
+        cancel(recvs, self._sends)
         self._clear()
         self._work = self._src = None
         return None

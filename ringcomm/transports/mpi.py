@@ -13,8 +13,12 @@ Latency: for a copy step between buffers that stay put (an :class:`ringcomm.engi
 restarts them, which saves the per-message set-up of MPI_Isend/Irecv.
 
 Ordering: MPI's non-overtaking rule orders the slices and the steps between two neighbours (one
-tag, receives posted in the order the sends are made), and a send is complete before the step ends,
-so the read-after-write and write-after-read hazards of DESIGN.md are both met by MPI itself.
+tag per call, receives posted in the order the sends are made), and a send is complete before the
+step ends, so the read-after-write and write-after-read hazards of DESIGN.md are both met by MPI.
+
+Identity: every message carries its call's tag (ringcomm.tags: collective, dtype, op, root, call
+number; a plan's persistent requests the parity of the call number, see engine.Plan), and every
+receive checks the size it got against the schedule's.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .. import tags
 from .base import as_bytes, cancel, slices, wait
-
-TAG = 17
 
 
 class MpiTransport:
@@ -42,6 +45,8 @@ class MpiTransport:
         self.ctx, self.device = ctx, ctx.device
         self._on_host = self.device.name == "host"
         self._per_slice = max(1, self.slice_bytes // work.itemsize)
+        self._tag = ctx.identity() | tags.DATA
+        ctx.expect = (self._tag,)
 
     def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
         per = self._per_slice
@@ -55,20 +60,20 @@ class MpiTransport:
             else:
                 dst = recv_into
             self._in_place = recv_into is not None
-            left = self.comm.left
+            left, tag = self.comm.left, self._tag
             for lo, hi in slices(recv_count, per):
-                self._recvs.append((lo, hi, dst[lo:hi], self.comm.mpi.Irecv(as_bytes(dst[lo:hi]), left, TAG)))
+                self._recvs.append((lo, hi, dst[lo:hi], self.comm.mpi.Irecv(as_bytes(dst[lo:hi]), left, tag)))
         if send is not None and send.size:
             if not self._on_host:  # the chunk may still be in flight on the stream
                 self.device.synchronize(self.ctx, step.index, self.comm.right, "this rank's kernels producing chunk %s",
                                         step.send)
-            right = self.comm.right
+            right, tag = self.comm.right, self._tag
             for lo, hi in slices(send.size, per):
-                self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo:hi]), right, TAG))
+                self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo:hi]), right, tag))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
         for lo, hi, view, req in self._recvs:
-            wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %d", step.recv)
+            wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %d", step.recv, sizes=(view.nbytes,))
             yield lo, hi, None if self._in_place else view
 
     def step_done(self, step: Any) -> None:
@@ -86,39 +91,50 @@ class MpiTransport:
         """Drop the scratch buffer (the communicator is being freed)."""
         self._scratch = None
 
-    def prepare(self, ctx: Any, step: Any, send: Any, recv_into: Any) -> PreparedStep | None:
-        """Persistent requests for one copy step between buffers that stay put (host memory only)."""
+    def prepare(self, ctx: Any, step: Any, send: Any, recv_into: Any, tag: int) -> PreparedStep | None:
+        """Persistent requests with ``tag`` for one copy step between buffers that stay put (host
+        memory only; None otherwise)."""
         if ctx.device.name != "host":
             return None
         per = max(1, self.slice_bytes // ctx.dtype.itemsize)
         mpi, comm = self.comm.mpi, self.comm
-        recvs = [] if recv_into is None else [
-            mpi.Recv_init(as_bytes(recv_into[lo:hi]), comm.left, TAG) for lo, hi in slices(recv_into.size, per)
-        ]
+        pieces = [] if recv_into is None else slices(recv_into.size, per)
+        recvs = [mpi.Recv_init(as_bytes(recv_into[lo:hi]), comm.left, tag) for lo, hi in pieces]
+        sizes = [(hi - lo) * recv_into.itemsize for lo, hi in pieces]
         sends = [] if send is None else [
-            mpi.Send_init(as_bytes(send[lo:hi]), comm.right, TAG) for lo, hi in slices(send.size, per)
+            mpi.Send_init(as_bytes(send[lo:hi]), comm.right, tag) for lo, hi in slices(send.size, per)
         ]
-        return PreparedStep(comm, recvs, sends)
+        return PreparedStep(comm, recvs, sends, sizes, tag)
 
     def abort(self) -> None:
-        cancel(self._sends + [req for *_, req in self._recvs])
+        cancel([req for *_, req in self._recvs], self._sends)
         self._sends, self._recvs = [], []
 
 
-class PreparedStep:
-    """One step's persistent receives (from the left) and sends (to the right), restarted per run."""
 
-    def __init__(self, comm: Any, recvs: list, sends: list) -> None:
+class PreparedStep:
+    """One step's persistent receives (from the left) and sends (to the right), restarted per run;
+    each receive checks that it got ``sizes`` bytes."""
+
+    def __init__(self, comm: Any, recvs: list, sends: list, sizes: list[int], tag: int) -> None:
         self.comm, self.recvs, self.sends, self.all = comm, recvs, sends, recvs + sends
+        self.sizes, self.statuses, self.expect = sizes, [MPI.Status() for _ in recvs], (tag,)
 
     def run(self, ctx: Any, step: Any) -> None:
         if not self.all:
             return
+        ctx.expect = self.expect
         MPI.Prequest.Startall(self.all)
-        wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv)
-        wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
+        try:
+            wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=self.sizes,
+                 statuses=self.statuses)
+            wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
+        except BaseException:
+            cancel(self.recvs, self.sends)
+            raise
 
     def free(self) -> None:
-        for req in self.all:  # inactive, or (after a timeout) cancelled: MPI frees it once complete
-            req.Free()
+        for req in self.all:  # inactive, or (after an error) cancelled or abandoned: MPI frees it once complete
+            if req != MPI.REQUEST_NULL:
+                req.Free()
         self.all, self.recvs, self.sends = [], [], []

@@ -27,7 +27,7 @@ import numpy as np
 from ..config import env, flag
 from ..devices import Reused
 from .base import cancel, slices, wait, wait_until
-from .mpi import TAG
+from .. import tags
 
 #: Slices of a staged chunk are at least this large (fewer, larger host copies and messages).
 MIN_SLICE_BYTES = 4 << 20
@@ -121,6 +121,8 @@ class StagedTransport:
         self.ctx, self.device = ctx, ctx.device
         self.stream = self.device.stream
         self._rt = cupy.cuda.runtime
+        self._tag = ctx.identity() | tags.DATA
+        ctx.expect = (self._tag,)
         self._itemsize = work.itemsize
         self._per_slice = max(1, self.slice_bytes // self._itemsize)
         self._reset()
@@ -143,7 +145,7 @@ class StagedTransport:
         if recv_count:
             for lo, hi in slices(recv_count, self._per_slice):
                 view = self._host_recv[lo * it: hi * it]
-                self._recvs.append((lo, hi, view, mpi.Irecv(view, comm.left, TAG)))
+                self._recvs.append((lo, hi, view, mpi.Irecv(view, comm.left, self._tag)))
         if send is not None and send.size:
             from ..devices.cuda import pointer
 
@@ -169,7 +171,7 @@ class StagedTransport:
                     return
                 wait_event(ev, self.ctx, step.index, self.comm.right, "copying chunk %s to the host", step.send)
             self._pending.pop(0)
-            self._sends.append(mpi.Isend(self._host_send[lo * it: hi * it], self.comm.right, TAG))
+            self._sends.append(mpi.Isend(self._host_send[lo * it: hi * it], self.comm.right, self._tag))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
         it = self._itemsize
@@ -182,7 +184,7 @@ class StagedTransport:
             # Slices 0..i of this rank's send are posted before it waits for incoming slice i, and
             # every rank does the same, so no rank waits on a neighbour that waits on it.
             self._send_ready(step, i + 1, block=True)
-            wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %s", step.recv)
+            wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=(view.nbytes,))
             self._rt.memcpyAsync(dst + lo * it, view.ctypes.data, (hi - lo) * it, h2d, self.stream.ptr)
             if target is None:
                 yield lo, hi, self._dev_recv[lo * it: hi * it].view(self.ctx.dtype)
@@ -212,7 +214,7 @@ class StagedTransport:
         self._dev.free()
 
     def abort(self) -> None:
-        cancel(self._sends + [req for *_, req in self._recvs])
+        cancel([req for *_, req in self._recvs], self._sends)
         if self._copy_stream is not None:  # local work only: the pinned buffers are free after it
             done = self._events.take()
             done.record(self._copy_stream)
