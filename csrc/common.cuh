@@ -266,6 +266,9 @@ RC_HD bool f32_le(float x, float y) {  // x <= y (false when either is NaN)
 #endif
 }
 
+// x is a NaN, tested on the bits: an integer comparison, so no setp.*.ftz.f32 under -ftz=true.
+RC_HD bool f32_isnan(float x) { return (f32_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+
 RC_HD bool f32_ge(float x, float y) {  // x >= y (false when either is NaN)
 #ifdef __CUDA_ARCH__
   unsigned r;
@@ -372,11 +375,13 @@ struct OpProd {
     }
   }
 };
-// numpy.minimum / numpy.maximum: a NaN in either operand gives NaN (x != x is false for integers).
+// numpy.minimum / numpy.maximum: a NaN in either operand gives NaN (x != x is false for integers);
+// between equal operands (+0 and -0) the first, x (numpy's scalar loop does the same; its SIMD loops
+// may return y).
 struct OpMin {
   template <typename A> RC_HD static A apply(A x, A y) {
     if constexpr (is_same<A, float>::value) {
-      return (f32_le(x, y) || x != x) ? x : y;
+      return (f32_le(x, y) || f32_isnan(x)) ? x : y;
     } else {
       return (x <= y || x != x) ? x : y;
     }
@@ -385,7 +390,7 @@ struct OpMin {
 struct OpMax {
   template <typename A> RC_HD static A apply(A x, A y) {
     if constexpr (is_same<A, float>::value) {
-      return (f32_ge(x, y) || x != x) ? x : y;
+      return (f32_ge(x, y) || f32_isnan(x)) ? x : y;
     } else {
       return (x >= y || x != x) ? x : y;
     }

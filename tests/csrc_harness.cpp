@@ -7,8 +7,8 @@
 // with -ffp-contract=off so that the host compiler does not fuse them either).
 //
 // Built with -DRC_HOST_CUPY_OPTIONS, the harness also models what CuPy's NVRTC options do to the
-// plain float arithmetic of optimizer.cu: CuPy appends -ftz=true, and NVRTC's defaults include
-// -fmad=true. In that file (only), float and double are the types nvrtc_model::F32 / F64 below: float
+// plain float arithmetic of optimizer.cu and accumulate.cu: CuPy appends -ftz=true, and NVRTC's defaults
+// include -fmad=true. In those files (only), float and double are the types nvrtc_model::F32 / F64 below: float
 // operations flush subnormal inputs and results to sign-preserving zero (add/sub/mul/div/neg, sqrtf,
 // and float <-> double casts), and a product followed by an add or subtract is fused into one FMA
 // (float and double), as nvvm does (of a*b + c*d it fuses a*b). The PTX wrappers of common.cuh keep
@@ -26,6 +26,9 @@ void rc_check_aligned(const void* p, unsigned long long bytes) {
 
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
 };
 
 #include "../csrc/reduce.cu"
@@ -111,6 +114,7 @@ typedef double kdouble;
 #endif
 
 #include "../csrc/optimizer.cu"
+#include "../csrc/accumulate.cu"
 
 // Plain float arithmetic as the kernel file sees it (IEEE, or the CuPy-options model), so that the
 // tests can check that the model flushes and fuses where it should.
@@ -168,6 +172,28 @@ template <typename T, typename Op>
 void run_reduce(void* d, const void* a, const void* b, u64 n, int use_div, double div, u64 nthreads) {
   for (u64 t = 0; t < nthreads; ++t)
     rc::reduce_thread<T, Op>(t, nthreads, (T*)d, (const T*)a, (const T*)b, n, use_div, div);
+}
+
+// accumulate.cu's kernels; b and the float dst as the file sees float (kfloat)
+template <typename H, typename Op, int Kind>
+void run_acc(void* d, const void* a, const void* b, u64 n, int use_div, float div, u64 nthreads) {
+  typedef typename rc::AccOut<H, Op, Kind>::type O;
+  for (u64 t = 0; t < nthreads; ++t)
+    rc::acc_thread<H, Op, Kind>(t, nthreads, (O*)d, (const H*)a, (const kfloat*)b, n, use_div, div);
+}
+
+// dtype 0 (f16) or 1 (bf16), op 0..3 (sum, prod, min, max): f(H(), Op())
+template <typename F> int by_half_op(int dtype, int op, F&& f) {
+  if ((dtype != 0 && dtype != 1) || op < 0 || op > 3) return -1;
+  auto with_op = [&](auto h) {
+    if (op == 0) f(h, rc::OpSum());
+    if (op == 1) f(h, rc::OpProd());
+    if (op == 2) f(h, rc::OpMin());
+    if (op == 3) f(h, rc::OpMax());
+  };
+  if (dtype == 0) with_op(rc::half_t());
+  else with_op(rc::bf16_t());
+  return 0;
 }
 
 template <typename P, typename G, typename O>
@@ -250,6 +276,28 @@ int rc_host_adam(int pdt, int gdt, int odt, void* p, const void* g, void* m, voi
         }
       });
     }
+  });
+}
+
+// accumulate.cu: dtype 0 (f16) or 1 (bf16); op: 0 sum, 1 prod, 2 min, 3 max. d: float32, a: dtype, b: float32.
+int rc_host_reduce_acc(int dtype, int op, void* d, const void* a, const void* b, u64 n, u64 nthreads) {
+  return by_half_op(dtype, op, [&](auto h, auto o) {
+    run_acc<decltype(h), decltype(o), rc::ACC_PARTIAL>(d, a, b, n, 0, 1.0f, nthreads);
+  });
+}
+
+// d: dtype (may be a), a: dtype, b: float32; divided by div when use_div
+int rc_host_reduce_acc_final(int dtype, int op, void* d, const void* a, const void* b, u64 n, int use_div, float div,
+                             u64 nthreads) {
+  return by_half_op(dtype, op, [&](auto h, auto o) {
+    run_acc<decltype(h), decltype(o), rc::ACC_FINAL>(d, a, b, n, use_div, div, nthreads);
+  });
+}
+
+// d: float32, a: dtype
+int rc_host_widen(int dtype, void* d, const void* a, u64 n, u64 nthreads) {
+  return by_half_op(dtype, 0, [&](auto h, auto) {
+    run_acc<decltype(h), rc::OpSum, rc::ACC_WIDEN>(d, a, nullptr, n, 0, 1.0f, nthreads);
   });
 }
 

@@ -34,7 +34,7 @@ NVCC = _nvcc()
 
 def test_sources_present():
     names = {p.name for p in SOURCES}
-    assert {"reduce.cu", "copy.cu", "optimizer.cu"} <= names
+    assert {"reduce.cu", "copy.cu", "optimizer.cu", "accumulate.cu"} <= names
     assert (CSRC / "common.cuh").is_file()
 
 
@@ -54,7 +54,7 @@ def test_compiles(source: Path, arch: str, tmp_path: Path):
 # -fmad=true, -prec-div=true, -prec-sqrt=true (nvcc has the same defaults and the same meaning).
 CUPY_APPENDS = ("-ftz=true",)
 # Kernel files whose floating-point results must not depend on those flags (bitwise equal to the host).
-IEEE_SOURCES = ("optimizer.cu",)
+IEEE_SOURCES = ("optimizer.cu", "accumulate.cu")
 _FP_INSN = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9]+)*\.f(?:32|64))\b", re.MULTILINE)
 
 
@@ -80,6 +80,9 @@ def test_ptx_keeps_ieee_under_cupy_options(name: str, arch: str, tmp_path: Path)
         if "ftz" in parts or parts[0] in ("fma", "mad") or (parts[0] in ("add", "sub", "mul") and "rn" not in parts):
             bad[insn] = bad.get(insn, 0) + 1
     assert not bad, f"{name} ({arch}, {' '.join(CUPY_APPENDS)}): instructions that flush or may fuse: {bad}"
+    names = {"optimizer.cu": cuda.adam_kernel_names, "accumulate.cu": cuda.accumulate_kernel_names}[name]()
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx.read_text()))
+    assert set(names) <= entries, f"kernels the loader asks for that {name} lacks: {sorted(set(names) - entries)}"
 
 
 def test_entry_points_match_the_loader():
@@ -92,6 +95,15 @@ def test_entry_points_match_the_loader():
         assert f"RC_REDUCE_OPS({suffix}," in text["reduce.cu"], name
         assert f"RC_REDUCE_ENTRY({op}," in text["reduce.cu"], name
     assert "ringcomm_copy(" in text["copy.cu"]
+    acc = text["accumulate.cu"]
+    for name in cuda.accumulate_kernel_names():
+        parts = name.split("_")
+        if parts[1] == "widen":
+            assert f"RC_WIDEN_ENTRY({parts[2]}," in acc, name
+            continue
+        assert f"RC_ACC_OPS({parts[-1]}," in acc and f"RC_ACC_ENTRIES({parts[-2]}," in acc, name
+        assert ("ringcomm_reduce_acc_final_##OPNAME" if parts[3] == "final" else "ringcomm_reduce_acc_##OPNAME") in acc
+    assert len(set(cuda.accumulate_kernel_names())) == 2 * (4 + 4 + 1)
     for name in cuda.adam_kernel_names():
         p, g, o = name.split("_")[2:5]
         assert f"RC_ADAM_GRADS({p}," in text["optimizer.cu"], name

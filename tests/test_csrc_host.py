@@ -6,10 +6,11 @@ grid-stride loops all run. Guard bytes around each output catch writes out of bo
 when no C++ compiler is found. (On the GPU the 16-bit conversions are PTX cvt instructions; here
 the integer versions in common.cuh run, checked below against numpy and ml_dtypes.)
 
-The harness is also built with -DRC_HOST_CUPY_OPTIONS (fixture ``lib_cupy``): optimizer.cu's plain
-float and double arithmetic then behaves as under CuPy's NVRTC options (-ftz=true appended by CuPy,
--fmad=true by default: subnormals flushed, a*b+c fused), while common.cuh's PTX wrappers stay IEEE,
-as on the GPU. The fused Adam must equal ringcomm.zero.adam.adam_update bit for bit in both builds.
+The harness is also built with -DRC_HOST_CUPY_OPTIONS (fixture ``lib_cupy``): optimizer.cu's and
+accumulate.cu's plain float and double arithmetic then behaves as under CuPy's NVRTC options (-ftz=true
+appended by CuPy, -fmad=true by default: subnormals flushed, a*b+c fused), while common.cuh's PTX wrappers
+stay IEEE, as on the GPU. The fused Adam must equal ringcomm.zero.adam.adam_update bit for bit in both
+builds, and the float32-accumulation kernels (accumulate.cu) numpy and ringcomm's HostDevice.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from accumulate_values import CANONICAL_NAN_BITS, F16, HALVES, half_values, midpoint_f16, partial_values
+from accumulate_values import reference as acc_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "csrc_harness.cpp"
@@ -53,6 +56,11 @@ def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
     so.rc_host_misaligned.restype = u64
     so.rc_host_probe.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double]
     so.rc_host_probe.restype = ctypes.c_double
+    so.rc_host_reduce_acc.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      u64, u64]
+    so.rc_host_reduce_acc_final.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p, u64, ctypes.c_int, ctypes.c_float, u64]
+    so.rc_host_widen.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, u64, u64]
     return so
 
 
@@ -98,11 +106,12 @@ def reference(a: np.ndarray, b: np.ndarray, op: str, div: int) -> np.ndarray:
     return r
 
 
-def guarded(dtype: np.dtype, n: int, offset: int, fill: int = 0xA5) -> tuple[np.ndarray, np.ndarray]:
-    """(raw bytes, view of n elements starting ``offset`` elements into it), guard bytes all around."""
+def guarded(dtype: np.dtype, n: int, offset: int, fill: int = 0xA5, shift: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes, view of n elements starting ``offset`` elements (+ ``shift`` bytes) into it), guard bytes all
+    around."""
     item = dtype.itemsize
     raw = np.full((n + offset + 64) * item + 64, fill, np.uint8)
-    base = (-ptr(raw)) % 64  # a 64-byte aligned start, so offsets are what the test says
+    base = (-ptr(raw)) % 64 + shift  # a 64-byte aligned start, so offsets are what the test says
     view = raw[base + offset * item: base + (offset + n) * item].view(dtype)
     return raw, view
 
@@ -173,6 +182,203 @@ def test_copy_every_alignment(lib):
                 np.testing.assert_array_equal(d, s, err_msg=f"nbytes={nbytes} dst+{do} src+{so}")
                 check_guards(raw_d, d)
                 assert lib.rc_host_misaligned() == 0, f"misaligned word access: nbytes={nbytes} dst+{do} src+{so}"
+
+
+# ------------------------------------------------------------------ float32 accumulation (accumulate.cu)
+ACC_COUNTS = [0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 33, 127, 1000, 4099]
+# (dst, a, b) element offsets from a 64-byte boundary, and b's extra byte shift: the vector path needs the
+# float32 pointers 16-byte aligned at the element where the half pointers are 8-byte aligned
+ACC_OFFSETS = [(0, 0, 0, 0), (1, 1, 1, 0), (2, 2, 2, 0), (3, 3, 3, 0), (1, 5, 1, 0), (3, 7, 7, 0), (0, 1, 0, 0),
+               (2, 0, 5, 0), (1, 1, 1, 2)]  # the last: float32 at an address that is not a multiple of 4
+
+
+def _host_acc(kind: str, dst: np.ndarray, a: np.ndarray, b: np.ndarray | None, op: str, div: int) -> None:
+    from ringcomm.devices.host import HostDevice
+    from ringcomm.ops import ReduceOp
+
+    dev = HostDevice()
+    with np.errstate(all="ignore"):
+        if kind == "acc":
+            dev.reduce_acc(dst, a, b, ReduceOp(op))
+        elif kind == "final":
+            dev.reduce_acc_final(dst, a, b, ReduceOp(op), div)
+        else:
+            dev.widen(dst, a)
+
+
+@pytest.mark.parametrize("build", ["ieee", "cupy_options"])
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_accumulate_kernels_match_numpy_and_the_host_device(request, build, dtype):
+    """reduce_acc / reduce_acc_final / widen: every op, div 1 and 3, in place and not, every alignment path,
+    data full of special values (tests/accumulate_values.py); bit for bit against the numpy reference and
+    HostDevice's methods of the same names, in both harness builds (accumulate.cu must not depend on CuPy's
+    flags: it uses only common.cuh's PTX wrappers)."""
+    so = request.getfixturevalue("lib" if build == "ieee" else "lib_cupy")
+    code = DTYPES.index(dtype)
+    f32 = np.dtype(np.float32)
+    rng = np.random.default_rng(4242 + code)
+    for op in OPS:
+        for div in (1, 3):
+            for n in ACC_COUNTS:
+                for offs in ACC_OFFSETS:
+                    for kind in ("acc", "final", "widen"):
+                        if kind == "widen" and (op != "sum" or div != 1):
+                            continue
+                        for in_place in (False, True) if kind != "widen" else (False,):
+                            nthreads = int(rng.choice([16, 32, 96]))
+                            a = half_values(rng, dtype, n)
+                            b = partial_values(rng, a, div) if kind != "widen" else None
+                            want = acc_reference(kind, a, b, op, div)
+                            out_dtype = dtype if kind == "final" else f32
+                            raw_a, av = guarded(dtype, n, offs[1])
+                            av[...] = a
+                            if kind != "widen":
+                                raw_b, bv = guarded(f32, n, offs[2], shift=offs[3])
+                                bv[...] = b
+                            if in_place:  # reduce_acc: dst is b; reduce_acc_final: dst is a
+                                raw_d, d = (raw_b, bv) if kind == "acc" else (raw_a, av)
+                            else:
+                                raw_d, d = guarded(out_dtype, n, offs[0], shift=offs[3] if kind != "final" else 0)
+                            bp = ptr(bv) if kind != "widen" else 0
+                            if kind == "acc":
+                                rc = so.rc_host_reduce_acc(code, OPS.index(op), ptr(d), ptr(av), bp, n, nthreads)
+                            elif kind == "final":
+                                rc = so.rc_host_reduce_acc_final(code, OPS.index(op), ptr(d), ptr(av), bp, n,
+                                                                 int(div != 1), float(div), nthreads)
+                            else:
+                                rc = so.rc_host_widen(code, ptr(d), ptr(av), n, nthreads)
+                            assert rc == 0
+                            where = f"{build}: {kind} {dtype} {op} n={n} offsets={offs} div={div} in_place={in_place}"
+                            np.testing.assert_array_equal(bits(d), bits(want), err_msg=where)
+                            check_guards(raw_d, d)
+                            if not (in_place and kind == "final"):
+                                np.testing.assert_array_equal(bits(av), bits(a), err_msg=f"a changed: {where}")
+                            if kind != "widen" and not (in_place and kind == "acc"):
+                                np.testing.assert_array_equal(bits(bv), bits(b), err_msg=f"b changed: {where}")
+                            assert so.rc_host_misaligned() == 0, f"misaligned vector access: {where}"
+                            # HostDevice: the same bits, from the inputs (again in place where the kernel was)
+                            hb = b.copy() if b is not None else None
+                            ha = a.copy()
+                            if in_place:
+                                hd = hb if kind == "acc" else ha
+                            else:  # poison
+                                hd = np.full(n * out_dtype.itemsize, 0x5A, np.uint8).view(out_dtype)
+                            _host_acc(kind, hd, ha, hb, op, div)
+                            np.testing.assert_array_equal(bits(hd), bits(want), err_msg=f"HostDevice, {where}")
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_accumulate_rounds_ties_to_even(lib, lib_cupy, dtype):
+    """reduce_acc_final(SUM) of a = +-h_k and b = t - a, with t exactly halfway between the half values of
+    bits k and k + 1 (every finite k, 65504 -> inf included) or one float32 ulp below or above: the kernels
+    (both builds) and HostDevice give the even one of the two on the tie, k below, k + 1 above, checked
+    against those integers (no float64, no numpy cast). With div = 3: b = 3t - a, (a + b) / 3 = t exactly."""
+    top = 0x7C00 if dtype == F16 else 0x7F80
+    k = np.arange(top, dtype=np.int64)
+    if dtype == F16:
+        m = midpoint_f16(k)
+    else:
+        m = ((k.astype(np.uint32) << np.uint32(16)) | np.uint32(0x8000)).view(np.float32)
+    even = np.where(k % 2 == 0, k, k + 1)
+    code = DTYPES.index(dtype)
+    for sign in (1, -1):
+        x = (k.astype(np.uint16) | np.uint16(0x8000 if sign < 0 else 0)).view(dtype)
+        xf = x.astype(np.float32)
+        sm = (np.float32(sign) * m).astype(np.float32)
+        below, above = np.nextafter(sm, np.float32(0)), np.nextafter(sm, np.float32(sign * np.inf))
+        cases = [(sm, 1, even), (below, 1, k), (above, 1, k + 1)]
+        with np.errstate(over="ignore"):
+            t3 = (np.float32(3) * sm).astype(np.float32)
+        ok3 = np.isfinite(t3)
+        cases.append((t3[ok3], 3, even[ok3]))
+        for t, div, want_k in cases:
+            xs, xfs = (x, xf) if div == 1 else (x[ok3], xf[ok3])
+            b = (t - xfs).astype(np.float32)
+            assert ((b.astype(np.float64) + xfs.astype(np.float64)) == t.astype(np.float64)).all()  # exact
+            assert ((xfs + b) == t).all()
+            want = (want_k.astype(np.uint16) | np.uint16(0x8000 if sign < 0 else 0))
+            where = f"{dtype} sign {sign} div {div}"
+            for so in (lib, lib_cupy):
+                d = np.empty(xs.size, dtype)
+                assert so.rc_host_reduce_acc_final(code, 0, ptr(d), ptr(xs), ptr(b), xs.size, int(div != 1),
+                                                   float(div), 64) == 0
+                np.testing.assert_array_equal(bits(d), want, err_msg=f"kernel: {where}")
+            d = np.empty(xs.size, dtype)
+            _host_acc("final", d, xs, b, "sum", div)
+            np.testing.assert_array_equal(bits(d), want, err_msg=f"HostDevice: {where}")
+
+
+def test_accumulate_nan_and_signed_zeros(lib):
+    """The decisions the bits depend on, spelled out: every NaN is the positive quiet NaN of its type, MIN/MAX
+    propagate NaN, and between +0 and -0 give a's (the first operand's) zero, widen is exact."""
+    from ringcomm.devices.host import HostDevice
+    from ringcomm.ops import ReduceOp
+
+    dev = HostDevice()
+    nans32 = _bits_f32(0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC00001)
+    for dtype in HALVES:
+        code = DTYPES.index(dtype)
+        hnan = [0x7E00, 0xFE00, 0x7C01, 0x7FFF] if dtype == F16 else [0x7FC0, 0xFFC0, 0x7F81, 0x7FFF]
+        a = np.array(hnan + [0x3C00 if dtype == F16 else 0x3F80] * 5 + [0x0000, 0x8000, 0x0000, 0x8000],
+                     np.uint16).view(dtype)
+        b = np.concatenate([np.ones(4, np.float32), nans32, _bits_f32(0x80000000, 0x00000000, 0, 0x80000000)])
+        n = a.size
+        for op, zeros in (("min", [0x0000, 0x8000, 0x0000, 0x8000]), ("max", [0x0000, 0x8000, 0x0000, 0x8000]),
+                          ("sum", [0x0000, 0x0000, 0x0000, 0x8000]), ("prod", [0x8000, 0x8000, 0x0000, 0x0000])):
+            d32, h32 = np.empty(n, np.float32), np.empty(n, np.float32)
+            dh, hh = np.empty(n, dtype), np.empty(n, dtype)
+            lib.rc_host_reduce_acc(code, OPS.index(op), ptr(d32), ptr(a), ptr(b), n, 16)
+            lib.rc_host_reduce_acc_final(code, OPS.index(op), ptr(dh), ptr(a), ptr(b), n, 0, 1.0, 16)
+            with np.errstate(all="ignore"):
+                dev.reduce_acc(h32, a, b, ReduceOp(op))
+                dev.reduce_acc_final(hh, a, b, ReduceOp(op))
+            for got32, goth, who in ((d32, dh, "kernel"), (h32, hh, "HostDevice")):
+                assert (bits(got32)[:9] == 0x7FC00000).all(), (who, op, dtype, [hex(v) for v in bits(got32)])
+                assert (bits(goth)[:9] == CANONICAL_NAN_BITS[dtype]).all(), (who, op, dtype)
+                assert list(bits(goth)[9:]) == zeros, (who, op, dtype, [hex(v) for v in bits(goth)[9:]])
+                assert list(bits(got32)[9:]) == [z << 16 for z in zeros], (who, op, dtype)
+        w, hw = np.empty(n, np.float32), np.empty(n, np.float32)
+        lib.rc_host_widen(code, ptr(w), ptr(a), n, 16)
+        dev.widen(hw, a)
+        for got in (w, hw):
+            assert (bits(got)[:4] == 0x7FC00000).all()
+            np.testing.assert_array_equal(bits(got)[4:], bits(a[4:].astype(np.float32)))
+    every = np.arange(1 << 16, dtype=np.uint16)
+    for dtype in HALVES:
+        w, hw = np.empty(every.size, np.float32), np.empty(every.size, np.float32)
+        lib.rc_host_widen(DTYPES.index(dtype), ptr(w), ptr(every), every.size, 64)
+        dev.widen(hw, every.view(dtype))
+        want = acc_reference("widen", every.view(dtype), None)
+        np.testing.assert_array_equal(bits(w), bits(want))
+        np.testing.assert_array_equal(bits(hw), bits(want))
+
+
+def _bits_f32(*u: int) -> np.ndarray:
+    return np.array(u, np.uint32).view(np.float32)
+
+
+def test_host_device_accumulate_validates():
+    from ringcomm.devices.host import HostDevice
+    from ringcomm.ops import ReduceOp
+
+    dev = HostDevice()
+    h, f = np.ones(4, np.float16), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="lengths differ"):
+        dev.reduce_acc(f, h, f[:3], ReduceOp.SUM)
+    with pytest.raises(ValueError, match="lengths differ"):
+        dev.widen(f, h[:3])
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        dev.reduce_acc(f, f, f, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="float32"):
+        dev.reduce_acc(f, h, h, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="dst"):
+        dev.reduce_acc_final(h.astype(ml_dtypes.bfloat16), h, f, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="dst"):
+        dev.widen(h, h)
+    e16, e32 = np.empty(0, np.float16), np.empty(0, np.float32)
+    dev.reduce_acc(e32, e16, e32, ReduceOp.MIN)
+    dev.reduce_acc_final(e16, e16, e32, ReduceOp.AVG, 3)
+    dev.widen(e32, e16)
 
 
 def _convert(lib, kind: int, src: np.ndarray, out_dtype: Any) -> np.ndarray:

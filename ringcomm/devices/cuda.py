@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, bfloat16
+from ..ops import FLOAT_DTYPES, HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp, bfloat16
+from .host import check_acc_operands
 
 try:  # CuPy is optional: this module imports without it (the cuda extra installs it)
     import cupy
@@ -54,6 +55,15 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"common\.cuh"[ \t]*$', re.M)
 def reduce_kernel_names() -> list[str]:
     """Every reduce kernel the device may launch."""
     return [f"ringcomm_reduce_{op}_{s}" for s in SUFFIX.values() for op in ("sum", "prod", "min", "max")]
+
+
+def accumulate_kernel_names() -> list[str]:
+    """Every float32-accumulation kernel (csrc/accumulate.cu) the device may launch."""
+    halves = [SUFFIX[d] for d in HALF_DTYPES]
+    ops = ("sum", "prod", "min", "max")
+    return ([f"ringcomm_reduce_acc_{op}_{s}" for s in halves for op in ops]
+            + [f"ringcomm_reduce_acc_final_{op}_{s}" for s in halves for op in ops]
+            + [f"ringcomm_widen_{s}" for s in halves])
 
 
 def adam_kernel_names() -> list[str]:
@@ -221,6 +231,7 @@ class CudaDevice:
         self.device_id = int(cp.cuda.runtime.getDevice())
         kernel("reduce.cu", "ringcomm_reduce_sum_f32")  # compile outside any hot loop (once per process)
         kernel("copy.cu", "ringcomm_copy")
+        kernel("accumulate.cu", "ringcomm_widen_f16")
 
     def reduce(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1) -> None:
         """``dst[:] = op(a, b)``, then divided by ``div`` when div != 1; queued on the stream.
@@ -248,6 +259,52 @@ class CudaDevice:
         grid = _grid(k, name, self.device_id, -(-n * dtype.itemsize // (16 * UNROLL)))
         k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(use_div),
                               np.float64(div)), stream=self.stream)
+
+    # ---- float32 accumulation (accumulate="float32"; csrc/accumulate.cu): the bits of HostDevice's
+    # methods of the same names: every NaN result the positive quiet NaN (float32 0x7fc00000, float16
+    # 0x7e00, bfloat16 0x7fc0), MIN / MAX propagate NaN and give a's zero between +0 and -0, float32 ->
+    # half rounds to nearest even, subnormals kept, nothing fused.
+
+    def reduce_acc(self, dst: Any, a: Any, b: Any, op: ReduceOp) -> None:
+        """``dst[:] = op(float32(a), b)`` in float32, not rounded to a's type; queued on the stream.
+
+        ``a``: float16 or bfloat16 (the local data); ``b`` and ``dst``: float32 (partial sums; ``b``
+        may be a view of a neighbour's memory). 1-D contiguous arrays of one length; ``dst`` may be
+        the same memory as ``b``. AVG is SUM here (the division comes in :meth:`reduce_acc_final`).
+        """
+        n = check_acc_operands("reduce_acc", dst, a, b, np.float32)
+        if n == 0:
+            return
+        name = f"ringcomm_reduce_acc_{_OP_NAME[op]}_{SUFFIX[a.dtype]}"
+        self._launch_acc(name, n, (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n)))
+
+    def reduce_acc_final(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1) -> None:
+        """``dst[:] = op(float32(a), b) / div`` rounded once to a's type; queued on the stream.
+
+        ``a`` and ``dst``: float16 or bfloat16 (one dtype; ``dst`` may be the same memory as ``a``);
+        ``b``: float32 (the partial sums, possibly a neighbour's memory). The op and the division
+        (float32, correctly rounded; only when div != 1) are float32; one rounding to nearest even at
+        the end. 1-D contiguous arrays of one length.
+        """
+        n = check_acc_operands("reduce_acc_final", dst, a, b, a.dtype)
+        if n == 0:
+            return
+        name = f"ringcomm_reduce_acc_final_{_OP_NAME[op]}_{SUFFIX[a.dtype]}"
+        self._launch_acc(name, n, (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n),
+                                   np.int32(div != 1), np.float32(div)))
+
+    def widen(self, dst: Any, a: Any) -> None:
+        """``dst[:] = float32(a)`` (exact; NaN as the positive quiet NaN) for float16 / bfloat16 ``a``, queued
+        on the stream."""
+        n = check_acc_operands("widen", dst, a, None, np.float32)
+        if n == 0:
+            return
+        self._launch_acc(f"ringcomm_widen_{SUFFIX[a.dtype]}", n, (_u64(pointer(dst)), _u64(pointer(a)), _u64(n)))
+
+    def _launch_acc(self, name: str, n: int, args: tuple) -> None:
+        k = kernel("accumulate.cu", name)
+        grid = _grid(k, name, self.device_id, -(-n // (4 * UNROLL)))  # a thread moves UNROLL units of 4 elements
+        k((grid,), (BLOCK,), args, stream=self.stream)
 
     def copy(self, dst: Any, src: Any) -> None:
         """``dst[:] = src`` (same number of bytes), queued on the stream; ``src`` may be a peer's memory."""

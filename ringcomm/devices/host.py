@@ -8,6 +8,11 @@ import numpy as np
 
 from ..ops import HALF_DTYPES, UFUNCS, ReduceOp
 
+_F32 = np.dtype(np.float32)
+#: the NaN the float32-accumulation methods write (float32 0x7fc00000; cast, float16 0x7e00, bfloat16 0x7fc0)
+CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
+_MIN_MAX = (ReduceOp.MIN, ReduceOp.MAX)
+
 
 class HostDevice:
     """Reduce and copy numpy arrays in the calling thread (synchronous)."""
@@ -18,6 +23,7 @@ class HostDevice:
 
     def __init__(self) -> None:
         self._f32 = np.empty(0, np.float32)  # accumulation scratch for half types, grown once
+        self._mask = np.empty(0, np.bool_)  # two masks for the float32-accumulation methods, grown once
 
     def reduce(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1) -> None:
         """``dst[:] = op(a, b)``, divided by ``div`` when div != 1; ``dst`` may be ``a``.
@@ -34,6 +40,76 @@ class HostDevice:
         ufunc(a, b, out=dst)
         if div != 1:
             np.divide(dst, div, out=dst)
+
+    # ---- float32 accumulation (accumulate="float32"): half-type data, float32 partial sums
+    # The same bits as the kernels of csrc/accumulate.cu: every NaN result is the positive quiet NaN
+    # (float32 0x7fc00000, float16 0x7e00, bfloat16 0x7fc0), whatever NaNs made it; MIN / MAX give NaN
+    # when either operand is NaN, and between +0 and -0 the first operand's (numpy's SIMD loops may
+    # return either); float32 -> half rounds to nearest even (numpy's float16 cast, ml_dtypes' bfloat16).
+
+    def reduce_acc(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
+        """``dst[:] = op(float32(a), b)`` in float32, not rounded to a's type; ``dst`` may be ``b``.
+
+        ``a``: float16 or bfloat16 (the local data); ``b`` and ``dst``: float32 (partial sums). 1-D
+        contiguous arrays of one length. AVG is SUM here (the division comes in :meth:`reduce_acc_final`).
+        """
+        n = check_acc_operands("reduce_acc", dst, a, b, _F32)
+        if n == 0:
+            return
+        UFUNCS[op](a, b, out=dst, dtype=np.float32)
+        self._signed_zeros(dst, a, op)
+        self._canonical_nans(dst)
+
+    def reduce_acc_final(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1) -> None:
+        """``dst[:] = op(float32(a), b) / div`` rounded once to a's type; ``dst`` may be ``a``.
+
+        ``a`` and ``dst``: float16 or bfloat16 (one dtype); ``b``: float32 (the partial sums). The op and
+        the division (float32, correctly rounded; only when div != 1) are float32; one rounding to
+        nearest even at the end. 1-D contiguous arrays of one length.
+        """
+        n = check_acc_operands("reduce_acc_final", dst, a, b, a.dtype)
+        if n == 0:
+            return
+        tmp = self._scratch(n)
+        UFUNCS[op](a, b, out=tmp, dtype=np.float32)
+        self._signed_zeros(tmp, a, op)  # before the division, which may round a tiny result to zero
+        if div != 1:
+            np.divide(tmp, np.float32(div), out=tmp)
+        self._canonical_nans(tmp)
+        dst[...] = tmp
+
+    def widen(self, dst: np.ndarray, a: np.ndarray) -> None:
+        """``dst[:] = float32(a)`` (exact; NaN as the positive quiet NaN) for float16 / bfloat16 ``a``."""
+        n = check_acc_operands("widen", dst, a, None, _F32)
+        if n == 0:
+            return
+        np.copyto(dst, a, casting="same_kind")
+        self._canonical_nans(dst)
+
+    def _signed_zeros(self, r: np.ndarray, a: np.ndarray, op: ReduceOp) -> None:
+        """After ``r = op(float32(a), b)`` for MIN or MAX: where r is a zero and so is a, a was a minimum
+        (maximum) too, and the kernels return it; numpy may have returned b's zero of the other sign."""
+        if op not in _MIN_MAX:
+            return
+        n = r.size
+        zero, a_zero = self._masks(n)
+        np.equal(r, 0, out=zero)
+        if zero.any():
+            np.equal(a, 0, out=a_zero)
+            np.logical_and(zero, a_zero, out=zero)
+            np.copyto(r, a, where=zero, casting="same_kind")
+
+    def _canonical_nans(self, r: np.ndarray) -> None:
+        """Every NaN of float32 ``r`` made the positive quiet NaN: one read of r when it has none."""
+        if np.isnan(np.max(r)):  # max propagates NaN: r has no NaN when its max is not NaN
+            nan = self._masks(r.size)[0]
+            np.isnan(r, out=nan)
+            np.copyto(r, CANONICAL_NAN, where=nan)
+
+    def _masks(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._mask.size < 2 * count:
+            self._mask = np.empty(2 * count, np.bool_)
+        return self._mask[:count], self._mask[count : 2 * count]
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """``dst[:] = src``."""
@@ -61,3 +137,20 @@ class HostDevice:
         if self._f32.size < count:
             self._f32 = np.empty(count, np.float32)
         return self._f32[:count]
+
+
+def check_acc_operands(what: str, dst: Any, a: Any, b: Any, dst_dtype: Any) -> int:
+    """The length of the float32-accumulation operands (numpy or GPU arrays; HostDevice and CudaDevice),
+    after checking their lengths (ValueError) and dtypes (TypeError): ``a`` float16 or bfloat16, ``b``
+    float32, ``dst`` ``dst_dtype``."""
+    n = dst.size
+    if a.size != n or (b is not None and b.size != n):
+        sizes = f"dst {n}, a {a.size}" + (f", b {b.size}" if b is not None else "")
+        raise ValueError(f"{what}: lengths differ ({sizes})")
+    if a.dtype not in HALF_DTYPES:
+        raise TypeError(f"{what}: a has dtype {a.dtype}; accepted: float16, bfloat16")
+    if b is not None and b.dtype != _F32:
+        raise TypeError(f"{what}: b has dtype {b.dtype}; it must be float32 (the partial sums)")
+    if dst.dtype != dst_dtype:
+        raise TypeError(f"{what}: dst has dtype {dst.dtype}; it must be {np.dtype(dst_dtype)}")
+    return n

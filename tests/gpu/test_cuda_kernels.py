@@ -1,9 +1,11 @@
-"""The CUDA kernels on a GPU (skipped without CuPy or a GPU): reduce, copy and fused Adam against numpy.
+"""The CUDA kernels on a GPU (skipped without CuPy or a GPU): reduce, copy and fused Adam against numpy,
+and the float32-accumulation kernels (reduce_acc, reduce_acc_final, widen) against the HostDevice.
 
 The reduce kernel must match numpy bit for bit: it combines half types in float32 with one
-rounding (the AVG division fused), exactly as the references below do. Outputs are poisoned and
-guarded, so unwritten elements and writes out of bounds show; views start at odd offsets so the
-scalar head, the vector body and the scalar tail all run, and the fully scalar path too.
+rounding (the AVG division fused), exactly as the references below do. The float32-accumulation
+kernels must give the HostDevice's bits, on data full of special values (tests/accumulate_values.py).
+Outputs are poisoned and guarded, so unwritten elements and writes out of bounds show; views start at
+odd offsets so the scalar head, the vector body and the scalar tail all run, and the fully scalar path too.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
+from accumulate_values import half_values, partial_values
+from accumulate_values import reference as acc_reference
 from conftest import require_gpu
 
 cupy, _ngpu = require_gpu()
 
 from ringcomm.devices.cuda import CudaDevice, fused_adam  # noqa: E402
+from ringcomm.devices.host import HostDevice  # noqa: E402
 from ringcomm.ops import FLOAT_DTYPES, HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
 
 OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
@@ -145,6 +149,113 @@ def test_reduce_nan_propagates_like_numpy():
             want = reference(a, b, op, 1).astype(np.float64)
             np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{dtype} {op}")
             np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)], err_msg=f"{dtype} {op}")
+
+
+# (dst, a, b) element offsets: all at the same element of their vectors (aligned, shifted alike, a in
+# another 8-byte word), and mixed (the scalar path)
+ACC_OFFSETS = [(0, 0, 0), (1, 1, 1), (3, 3, 3), (1, 5, 1), (0, 1, 2)]
+
+
+def _acc_run(dev, kind: str, dst, a, b, op: ReduceOp, div: int) -> None:
+    if kind == "acc":
+        dev.reduce_acc(dst, a, b, op)
+    elif kind == "final":
+        dev.reduce_acc_final(dst, a, b, op, div)
+    else:
+        dev.widen(dst, a)
+
+
+def _acc_case(rng, dev, host, kind: str, dtype, op: ReduceOp, n: int, offs, div: int, in_place: bool,
+              plain: bool = False) -> None:
+    """One CudaDevice call against the HostDevice's (and the numpy reference's) bits; ``plain``: ordinary
+    values with a few specials (cheaper to make, for large buffers)."""
+    if plain:
+        a = (rng.standard_normal(n, np.float32) * np.float32(100)).astype(dtype)
+        b = rng.standard_normal(n, np.float32) * np.float32(100)
+        a[::1009], b[::997], b[5::1013] = np.nan, np.inf, 2.0**-140
+    else:
+        a = half_values(rng, dtype, n)
+        b = partial_values(rng, a, div)
+    b = b if kind != "widen" else None
+    out_dtype = np.dtype(dtype) if kind == "final" else np.dtype(np.float32)
+    ha, hb = a.copy(), (b.copy() if b is not None else None)
+    hd = (hb if kind == "acc" else ha) if in_place else np.empty(n, out_dtype)
+    with np.errstate(all="ignore"):
+        _acc_run(host, kind, hd, ha, hb, op, div)
+        want = acc_reference(kind, a, b, op.value, div)
+    a_raw, av = guarded(a, offs[1])
+    b_raw, bv = guarded(b, offs[2]) if b is not None else (None, None)
+    if in_place:
+        d_raw, dv = (b_raw, bv) if kind == "acc" else (a_raw, av)
+    else:
+        d_raw, dv = guarded(np.zeros(n, out_dtype), offs[0])
+    _acc_run(dev, kind, dv, av, bv, op, div)
+    dev.stream.synchronize()
+    what = f"{kind} {dtype} {op} n={n} offsets={offs} div={div} in_place={in_place}"
+    got = bits(cupy.asnumpy(dv))
+    np.testing.assert_array_equal(got, bits(hd), err_msg=f"CudaDevice vs HostDevice: {what}")
+    np.testing.assert_array_equal(got, bits(want), err_msg=f"CudaDevice vs reference: {what}")
+    assert outside_untouched(d_raw, dv), f"wrote out of bounds: {what}"
+    if not (in_place and kind == "final"):
+        np.testing.assert_array_equal(bits(cupy.asnumpy(av)), bits(a), err_msg=f"a changed: {what}")
+    if b is not None and not (in_place and kind == "acc"):
+        np.testing.assert_array_equal(bits(cupy.asnumpy(bv)), bits(b), err_msg=f"b changed: {what}")
+
+
+def test_accumulate_kernels_match_the_host_device():
+    """reduce_acc / reduce_acc_final / widen: every half dtype, op (AVG as SUM, its division in the final
+    kernel), div 1 and 3, count and alignment path, in place and not, bit for bit the HostDevice's."""
+    rng = np.random.default_rng(20260611)
+    dev, host = CudaDevice(), HostDevice()
+    for dtype in HALF_DTYPES:
+        for op in OPS + [ReduceOp.AVG]:
+            for div in (1, 3):
+                for n in COUNTS:
+                    for offs in ACC_OFFSETS:
+                        for kind in ("acc", "final"):
+                            _acc_case(rng, dev, host, kind, dtype, op, n, offs, div, False)
+                        if op is ReduceOp.SUM and div == 1:
+                            _acc_case(rng, dev, host, "widen", dtype, op, n, offs, 1, False)
+                    for kind in ("acc", "final"):  # in place: reduce_acc into b, reduce_acc_final into a
+                        _acc_case(rng, dev, host, kind, dtype, op, n, (1, 1, 1), div, True)
+
+
+def test_accumulate_large_buffers_take_several_grid_strides():
+    """Several grid-stride iterations (a full wave moves SMs x blocks x 512 x 16 elements), unrolled and not."""
+    from ringcomm.devices import cuda as rcuda
+
+    rng = np.random.default_rng(31)
+    dev, host = CudaDevice(), HostDevice()
+    name = "ringcomm_reduce_acc_final_sum_f16"
+    wave = rcuda.max_blocks(rcuda.kernel("accumulate.cu", name), name, dev.device_id) * rcuda.BLOCK * rcuda.UNROLL * 4
+    n = 3 * wave + 4 * 5 + 3  # three full waves, then 5 units left for the loop that is not unrolled, and a tail
+    for dtype in HALF_DTYPES:
+        for kind in ("acc", "final", "widen"):
+            for offs in ((0, 0, 0), (1, 1, 1)):
+                _acc_case(rng, dev, host, kind, dtype, ReduceOp.AVG, n, offs, 4, False, plain=True)
+
+
+def test_accumulate_empty_and_errors():
+    dev = CudaDevice()
+    e16, e32 = cupy.empty(0, np.float16), cupy.empty(0, np.float32)
+    dev.reduce_acc(e32, e16, e32, ReduceOp.SUM)
+    dev.reduce_acc_final(e16, e16, e32, ReduceOp.AVG, 3)
+    dev.widen(e32, e16)
+    h, f = cupy.ones(4, np.float16), cupy.ones(4, np.float32)
+    with pytest.raises(ValueError, match="lengths differ"):
+        dev.reduce_acc(f, h, f[:3], ReduceOp.SUM)
+    with pytest.raises(ValueError, match="lengths differ"):
+        dev.reduce_acc_final(h[:3], h, f, ReduceOp.SUM)
+    with pytest.raises(ValueError, match="lengths differ"):
+        dev.widen(f, h[:3])
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        dev.reduce_acc(f, f, f, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="float32"):
+        dev.reduce_acc_final(h, h, h, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="dst"):
+        dev.reduce_acc(h, h, f, ReduceOp.SUM)
+    with pytest.raises(TypeError, match="dst"):
+        dev.widen(h, h)
 
 
 def test_copy_every_relative_alignment():

@@ -726,6 +726,10 @@ def _lib():
         lib.rc_host_reduce.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, ctypes.c_int, ctypes.c_double, u64]
         lib.rc_host_copy.argtypes = [vp, vp, u64, u64]
         lib.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [vp] * 5 + [u64, vp, u64]
+        lib.rc_host_reduce_acc.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, u64]
+        lib.rc_host_reduce_acc_final.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, ctypes.c_int,
+                                                 ctypes.c_float, u64]
+        lib.rc_host_widen.argtypes = [ctypes.c_int, vp, vp, u64, u64]
         lib.rc_host_misaligned.restype = u64
         _harness = lib
     return _harness
@@ -739,6 +743,13 @@ class _Kernel:
             self.kind = "copy"
         elif name.startswith("ringcomm_reduce_") and parts[2] in _OPS and parts[3] in _DT:
             self.kind = "reduce"
+        elif name.startswith("ringcomm_reduce_acc_final_") and len(parts) == 6 and parts[4] in _OPS and (
+                parts[5] in _DT[:2]):
+            self.kind = "acc_final"  # csrc/accumulate.cu: ringcomm_reduce_acc_final_<op>_<f16|bf16>
+        elif name.startswith("ringcomm_reduce_acc_") and len(parts) == 5 and parts[3] in _OPS and parts[4] in _DT[:2]:
+            self.kind = "acc"  # ringcomm_reduce_acc_<op>_<f16|bf16>
+        elif name.startswith("ringcomm_widen_") and len(parts) == 3 and parts[2] in _DT[:2]:
+            self.kind = "widen"  # ringcomm_widen_<f16|bf16>
         elif name.startswith("ringcomm_adam_"):
             self.kind = "adam"
         else:
@@ -759,6 +770,27 @@ class _Kernel:
             def run() -> None:
                 rc = _lib().rc_host_reduce(_DT.index(parts[3]), _OPS.index(parts[2]), dst, a, b, n, use_div, div,
                                            nthreads)
+                assert rc == 0
+        elif self.kind in ("acc", "acc_final", "widen"):
+            dt = parts[-1]
+            if self.kind == "widen":
+                dst, a, n = vals
+                spans = ((dst, 4), (a, 2))
+            else:
+                dst, a, b, n, *rest = vals
+                spans = ((dst, 2 if self.kind == "acc_final" else 4), (a, 2), (b, 4))
+            for p, item in spans:
+                _region(p, n * item)
+            op = _OPS.index(parts[-2]) if self.kind != "widen" else 0
+
+            def run() -> None:
+                if self.kind == "acc":
+                    rc = _lib().rc_host_reduce_acc(_DT.index(dt), op, dst, a, b, n, nthreads)
+                elif self.kind == "acc_final":
+                    use_div, div = rest
+                    rc = _lib().rc_host_reduce_acc_final(_DT.index(dt), op, dst, a, b, n, use_div, div, nthreads)
+                else:
+                    rc = _lib().rc_host_widen(_DT.index(dt), dst, a, n, nthreads)
                 assert rc == 0
         elif self.kind == "copy":
             dst, src, nbytes = vals
