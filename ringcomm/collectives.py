@@ -14,7 +14,7 @@ import numpy as np
 from . import schedule
 from .arrays import classify, default_stream, flat, relation, writable
 from .engine import Context
-from .ops import ReduceOp, check_dtype, parse_op
+from .ops import HALF_DTYPES, ReduceOp, check_dtype, parse_accumulate, parse_op
 
 
 def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
@@ -48,15 +48,27 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str =
     return flat(o, name)
 
 
+def _accumulating(comm: Any, accumulate: Any, dtype: np.dtype) -> bool:
+    """Whether this call adds in float32 (accumulate="float32", or RINGCOMM_ACCUMULATE, on a half type)."""
+    mode = parse_accumulate(accumulate) if comm.accumulate_override == "" else comm.accumulate_override
+    return mode == "float32" and dtype in HALF_DTYPES
+
+
+def _acc(comm: Any, kind: str, device: Any, count: int) -> Any:
+    """The float32 array (``count`` elements, reused) where a call's partial sums live."""
+    return comm._scratch_array(kind + " partial sums", device, count, np.dtype(np.float32))
+
+
 def _root(comm: Any, root: Any) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
         raise ValueError(f"root must be an integer rank in [0, {comm.size}); got {root!r}")
     return int(root)
 
 
-def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None) -> Any:
+def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None, accumulate: Any = None) -> Any:
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
+    wide = _accumulating(comm, accumulate, src.dtype)
     if out is None:
         writable(src, "x (all_reduce writes its result into x when out is None)")
         work = src
@@ -77,27 +89,42 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
             reused.after(device)
         device.copy(plan.buf[r * count : (r + 1) * count], src)
         comm._run_plan(ctx, count, plan)
-        fold(ctx, work)
+        if wide:
+            fold(ctx, work, _acc(comm, kind, device, count))
+            comm._scratch_done(kind + " partial sums", device)
+        else:
+            fold(ctx, work)
         if reused is not None:
             reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
+        if wide:
+            ctx.acc = _acc(comm, kind, device, count)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))
+        if wide:
+            comm._scratch_done(kind + " partial sums", device)
     return x if out is None else out
 
 
-def reduce_scatter(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None) -> Any:
+def reduce_scatter(
+    comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None, accumulate: Any = None
+) -> Any:
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
+    wide = _accumulating(comm, accumulate, src.dtype)
     bounds = comm.shard_bounds(src.size)
     lo, hi = bounds[comm.rank]
     result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device=device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     work = comm._scratch_array(kind, device, src.size, src.dtype)
+    if wide:
+        ctx.acc = _acc(comm, kind, device, src.size)
     steps = schedule.reduce_scatter(comm.size, comm.rank)
     comm._run(ctx, kind, src.size, steps, bounds, work, src, result_chunks=[comm.rank])
     device.copy(result, work[lo:hi])
     comm._scratch_done(kind, device)
+    if wide:
+        comm._scratch_done(kind + " partial sums", device)
     return out if out is not None else result
 
 
@@ -145,10 +172,13 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     return x
 
 
-def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None, stream: Any = None) -> Any:
+def reduce(
+    comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None, stream: Any = None, accumulate: Any = None
+) -> Any:
     op = parse_op(op)
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)
+    wide = _accumulating(comm, accumulate, src.dtype)
     n, is_root = comm.size, comm.rank == root
     o = None if out is None else _output(out, kind, src.dtype, src.size, device=device)
     rel = "same" if o is None else relation(o, src)
@@ -165,9 +195,13 @@ def reduce(comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None
     ctx = Context("reduce", comm, device, src.dtype, op)
     steps = schedule.reduce(n, comm.rank, root, nchunks)
     result = range(nchunks) if is_root else ()
+    if wide:
+        ctx.acc = _acc(comm, kind, device, src.size)
     comm._run(
         ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root
     )
+    if wide:
+        comm._scratch_done(kind + " partial sums", device)
     if not is_root:
         comm._scratch_done(kind, device)
         return None

@@ -12,7 +12,7 @@ from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .engine import Context, Fold, Plan, execute
 from .errors import AbortError, MismatchError, RingcommError
-from .ops import SUPPORTED_DTYPES, ReduceOp
+from .ops import SUPPORTED_DTYPES, ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
 from .transports.base import wait
 
@@ -58,6 +58,8 @@ class Communicator:
         self.check = bool(env("RINGCOMM_CHECK", flag, check))
         self.slice_bytes = int(env("RINGCOMM_SLICE_BYTES", int, slice_bytes))
         self.small_bytes = int(env("RINGCOMM_SMALL_BYTES", int, small_bytes))
+        #: RINGCOMM_ACCUMULATE, when set, overrides every call's ``accumulate`` ("" when unset)
+        self.accumulate_override: str = env("RINGCOMM_ACCUMULATE", parse_accumulate, "")
         transports.override()  # an unknown RINGCOMM_TRANSPORT fails here, not inside a collective
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds; got {self.timeout}")
@@ -92,20 +94,27 @@ class Communicator:
         self._ready = True
 
     # ------------------------------------------------------------------ the collectives
-    def all_reduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
+    def all_reduce(
+        self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
+    ) -> Any:
         """Reduce ``x`` over all ranks; the result is in ``out`` or, when out is None, in place in ``x``.
 
         Returns the result array (``out``, or ``x`` itself). Every rank ends with bitwise identical
-        values. GPU arrays run on ``stream`` (default: CuPy's current stream).
+        values. GPU arrays run on ``stream`` (default: CuPy's current stream). ``accumulate``:
+        None, or "float32": float16/bfloat16 partial sums travel and are added in float32 and each
+        result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
         """
-        return collectives.all_reduce(self, x, op, out=out, stream=stream)
+        return collectives.all_reduce(self, x, op, out=out, stream=stream, accumulate=accumulate)
 
-    def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None) -> Any:
+    def reduce_scatter(
+        self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
+    ) -> Any:
         """Reduce ``x`` over all ranks and return this rank's shard ``shard_bounds(x.size)[rank]``.
 
         ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
+        ``accumulate``: as for :meth:`all_reduce`.
         """
-        return collectives.reduce_scatter(self, x, op, out=out, stream=stream)
+        return collectives.reduce_scatter(self, x, op, out=out, stream=stream, accumulate=accumulate)
 
     def all_gather(self, shard: Any, *, out: Any = None, stream: Any = None) -> Any:
         """Concatenate every rank's ``shard`` in rank order; returns ``out`` (allocated when None).
@@ -120,13 +129,15 @@ class Communicator:
         return collectives.broadcast(self, x, root, stream=stream)
 
     def reduce(
-        self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None
+        self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None,
+        accumulate: str | None = None,
     ) -> Any:
         """Reduce ``x`` onto ``root``: its result goes to ``out`` or in place in ``x`` and is returned.
 
         On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
+        ``accumulate``: as for :meth:`all_reduce`.
         """
-        return collectives.reduce(self, x, op, root, out=out, stream=stream)
+        return collectives.reduce(self, x, op, root, out=out, stream=stream, accumulate=accumulate)
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier (with the communicator's deadline)."""

@@ -25,7 +25,7 @@ class Context:
     and the call's identity: its root and number (set by the Communicator when the call starts)
     and the base MPI tag of its messages (:meth:`identity`; None for set-up waits)."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -38,6 +38,9 @@ class Context:
         self.tag: int | None = None
         #: the tags this call's messages may carry (set by the transport; empty: set-up waits, unchecked)
         self.expect: tuple[int, ...] = ()
+        #: accumulate="float32" on a half type: a float32 array as long as the buffer, where the
+        #: partial sums of the reduce-scatter phase live and travel (None otherwise)
+        self.acc: Any = None
 
     def identity(self) -> int:
         """The base MPI tag of this call's messages (ringcomm.tags), made on first use."""
@@ -59,10 +62,18 @@ def execute(
 
     ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is copied
     from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
+
+    With ``ctx.acc`` (accumulate="float32" on a half type) a chunk that is not final travels in
+    float32: this rank's own data is widened into ``acc`` when first sent, a reduce step that is
+    not final adds the local half data to the float32 partial into ``acc`` (``reduce_acc``), and
+    the final one rounds once into ``work`` (``reduce_acc_final``, the AVG division in float32).
+    Final chunks (the all-gather phase) travel in the array's dtype.
     """
-    op, device = ctx.op or ReduceOp.SUM, ctx.device
+    op, device, acc = ctx.op or ReduceOp.SUM, ctx.device, ctx.acc
     n = ctx.comm.size
     written = [work is src] * len(bounds)
+    partial = [False] * len(bounds)  # with acc: the chunk's value is a float32 partial in acc
+    final = [False] * len(bounds)  # with acc: the chunk holds the call's result in work
     sent = 0
     transport.begin(ctx, work, src, bounds)
     try:
@@ -71,23 +82,37 @@ def execute(
             if st.send is not None:
                 lo, hi = bounds[st.send]
                 send = (work if written[st.send] else src)[lo:hi]
+                if acc is not None and not final[st.send]:
+                    if not partial[st.send]:  # this rank's own data, sent first: it travels in float32
+                        device.widen(acc[lo:hi], send)
+                    send = acc[lo:hi]
                 sent += send.nbytes
             if st.recv is None:
-                transport.post(st, send, 0, None)
+                transport.post(st, send, 0, None, ctx.dtype)
             else:
                 lo, hi = bounds[st.recv]
                 dst = work[lo:hi]
-                transport.post(st, send, hi - lo, None if st.reduce else dst)
+                wire = acc.dtype if acc is not None and st.reduce else ctx.dtype
+                transport.post(st, send, hi - lo, None if st.reduce else dst, wire)
                 if st.reduce:
                     local = dst if written[st.recv] else src[lo:hi]
                     div = n if st.final and op is ReduceOp.AVG else 1
-                    for a, b, incoming in transport.recv(st):
-                        device.reduce(dst[a:b], local[a:b], incoming, op, div)
+                    if acc is None:
+                        for a, b, incoming in transport.recv(st):
+                            device.reduce(dst[a:b], local[a:b], incoming, op, div)
+                    elif st.final:
+                        for a, b, incoming in transport.recv(st):
+                            device.reduce_acc_final(dst[a:b], local[a:b], incoming, op, div)
+                    else:
+                        for a, b, incoming in transport.recv(st):
+                            device.reduce_acc(acc[lo + a : lo + b], local[a:b], incoming, op)
+                        partial[st.recv] = True
                 else:
                     for a, b, incoming in transport.recv(st):
                         if incoming is not None:
                             device.copy(dst[a:b], incoming)
-                written[st.recv] = True
+                if acc is None or not st.reduce or st.final:
+                    written[st.recv] = final[st.recv] = True
             transport.step_done(st)
         transport.end()
     except BaseException:
@@ -178,12 +203,24 @@ class Fold:
             if hi > lo
         ]
 
-    def __call__(self, ctx: Context, work: Any) -> None:
-        """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``."""
-        op, reduce = ctx.op or ReduceOp.SUM, ctx.device.reduce
-        last_div = self.n if op is ReduceOp.AVG else 1
+    def __call__(self, ctx: Context, work: Any, acc: Any = None) -> None:
+        """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``.
+
+        ``acc`` (accumulate="float32" on a half type): a float32 array of count elements where the
+        partial sums are kept, rounded once at the end, exactly as the ring does with ``ctx.acc``.
+        """
+        op, device = ctx.op or ReduceOp.SUM, ctx.device
+        last, last_div = self.n - 1, self.n if op is ReduceOp.AVG else 1
         for lo, hi, views in self.pieces:
-            dst, acc = work[lo:hi], views[0]
-            for k in range(1, len(views)):  # local data first, the partial result second, as a ring step
-                reduce(dst, views[k], acc, op, last_div if k == len(views) - 1 else 1)
-                acc = dst
+            dst = work[lo:hi]
+            if acc is None:
+                part = views[0]
+                for k in range(1, self.n):  # local data first, the partial result second, as a ring step
+                    device.reduce(dst, views[k], part, op, last_div if k == last else 1)
+                    part = dst
+                continue
+            part = acc[lo:hi]
+            device.widen(part, views[0])
+            for k in range(1, last):
+                device.reduce_acc(part, views[k], part, op)
+            device.reduce_acc_final(dst, views[last], part, op, last_div)

@@ -61,3 +61,18 @@ def check_dtype(dtype: np.dtype, op: ReduceOp | None = None) -> np.dtype:
     if op is ReduceOp.AVG and dtype in _INTS:
         raise TypeError(f"op 'avg' on integer dtype {dtype} would silently floor; use 'sum' and divide yourself")
     return dtype
+
+
+#: the values ``accumulate=`` accepts (besides None): the type partial sums of half types travel in
+ACCUMULATE = ("float32",)
+
+
+def parse_accumulate(value: str | None) -> str | None:
+    """``accumulate=`` checked: None (or "none"/"" from the environment) or "float32"; ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("", "none"):
+        return None
+    if isinstance(value, str) and value.strip().lower() in ACCUMULATE:
+        return value.strip().lower()
+    raise ValueError(f"accumulate={value!r} is not valid; accepted: None, {', '.join(map(repr, ACCUMULATE))}")

@@ -117,12 +117,18 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     assert rc == 0
     rc_bad, bad = _run(["-c", "all", *SWEEP, "--corrupt-for-tests", str(PLANTED)])
     assert rc_bad == 1
+    wide = tmp_path / "accumulate.json"  # float32 accumulation: in the header and the JSON, results checked
+    rc_acc, acc = _run(["-c", "reduce_scatter", "-d", "half", "-a", "float32", *SWEEP, "--json", str(wide)])
+    assert rc_acc == 0
     _check_paths_the_sweep_does_not_take()
     assert _check_env_and_mpi_setup() == []
     if comm.rank != 0:
         assert text == bad == ""  # only rank 0 prints
         return
 
+    assert "# Accumulate: float32" in acc and "partial sums in float32" in acc
+    assert json.loads(wide.read_text())["settings"]["accumulate"] == "float32"
+    assert all(t.status == "OK" and t.wrong == 0 for t in parse_tables(acc))
     tables = parse_tables(text)
     assert len(tables) == len(schedule.COLLECTIVES)
     for table in tables:

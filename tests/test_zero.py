@@ -296,6 +296,7 @@ def test_constructor_validation(comm):
         (dict(eps=0.0), ValueError, "eps"),
         (dict(weight_decay=-0.1), ValueError, "weight_decay"),
         (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+        (dict(accumulate="float64"), ValueError, "accumulate='float64' is not valid"),
     ]
     for kw, exc, words in cases:
         with pytest.raises(exc, match=words):

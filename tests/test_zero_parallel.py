@@ -183,10 +183,11 @@ def test_stages_match_reference_memory_and_communication(seed):
 
     # mixed precision: float16 (static loss scale 1024) and bfloat16, every stage; plus the paper's
     # formulas in bytes for 2-byte parameters/gradients and fp32 master states (K = 12)
+    # (and with the gradients reduced in float32: accumulate="float32")
     for name, dtype, scale in (("float16", np.float16, 1024.0), ("bfloat16", ringcomm.bfloat16, None)):
-        for stage in range(4):
+        for stage, accumulate in [(s, a) for s in range(4) for a in (None, "float32")]:
             mgr = ZeroShardManager(comm, [p.astype(dtype) for p in p0], stage=stage, max_grad_norm=max_norm,
-                                   loss_scale=scale, **HYPER)
+                                   loss_scale=scale, accumulate=accumulate, **HYPER)
             phi = mgr.layout.padded
             paper = {0: 16 * phi, 1: 4 * phi + 12 * phi // n, 2: 2 * phi + 14 * phi // n, 3: 16 * phi // n}[stage]
             total = sum(mgr.memory_report().values())
@@ -195,7 +196,7 @@ def test_stages_match_reference_memory_and_communication(seed):
             losses = train(mgr, x, y, STEPS, sl, dtype)
             worst = max(abs(a - b) / b for a, b in zip(losses, losses64[0]))
             if worst > HALF_TOL[name] or mgr.skipped_steps:
-                errors.append(f"{name} stage {stage}: losses off by {worst:.2e} relative (tolerance "
+                errors.append(f"{name} stage {stage} accumulate={accumulate}: losses off by {worst:.2e} relative (tolerance "
                               f"{HALF_TOL[name]}), {mgr.skipped_steps} skipped steps")
     check_loss_scaling(comm, p0, x, y, sl, max_norm, errors)
     agree(comm, errors)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import ReduceOp, check_dtype, parse_op
+from ..ops import ACCUMULATE, ReduceOp, check_dtype, parse_op
 from ..schedule import COLLECTIVES
 from . import data, env, report, sizes
 from .cli import Exit, Out, RankParser, UsageError
@@ -68,6 +68,9 @@ def build_parser(quiet: bool = False) -> RankParser:
       help="abort the job when a measurement makes no progress for this many seconds "
       "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)")
     a("--seed", type=int, default=0, help="seed of the test data (default 0)")
+    a("-a", "--accumulate", default=None, choices=ACCUMULATE,
+      help="ringcomm's accumulate= for all_reduce, reduce_scatter and reduce: float16/bfloat16 partial sums "
+      "travel and are added in float32, rounded once (default: none)")
     a("--json", metavar="FILE", default=None, help="write every row and the environment to FILE")
     a("--plot", metavar="FILE", default=None, help="draw busbw against size per implementation to FILE (PNG)")
     a("--corrupt-for-tests", type=int, default=0, help=argparse.SUPPRESS)
@@ -88,6 +91,7 @@ class Plan:
     root: int
     step: str
     skipped: list[str]
+    accumulate: str | None = None
     sizes: list[int] = dataclasses.field(default_factory=list)
     argv: list[str] = dataclasses.field(default_factory=list)
 
@@ -143,7 +147,8 @@ class Plan:
         except ValueError as e:
             raise UsageError(str(e)) from None
         step = f"{step_bytes}(bytes)" if step_bytes is not None else f"{factor}(factor)"
-        return cls(collectives, sweep, combos, dtypes, names or [], device, settings, args.root, step, skipped)
+        return cls(collectives, sweep, combos, dtypes, names or [], device, settings, args.root, step, skipped,
+                   args.accumulate)
 
     def resolve(self, device: str, args: argparse.Namespace) -> None:
         """Fill in the device-dependent defaults (max size, time budget, implementations)."""
@@ -305,7 +310,7 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
             except Exception as e:
                 notes.append(f"ringcomm: cannot run on {device} ({type(e).__name__}: {e})")
                 continue
-            impls.append(RingcommImpl(comm, stream))
+            impls.append(RingcommImpl(comm, stream, plan.accumulate))
         elif name == "mpi":
             impls.append(MpiImpl(comm, device, device == "cuda" and cuda_aware_mpi()))
         elif name == "nccl":
@@ -342,6 +347,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")
     out(f"# Time: {st.describe()}")
+    out(f"# Accumulate: {plan.accumulate or 'none'} (ringcomm's float16/bfloat16 partial sums; -a/--accumulate)")
     out("# Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if k != "MPI"))
     out(f"# MPI library: {vers['MPI']}")
     out("# Implementations:")
@@ -374,7 +380,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
 def _settings_dict(plan: Plan) -> dict[str, Any]:
     d = dataclasses.asdict(plan.settings)
     d.update(collectives=plan.collectives, sizes=plan.sizes, root=plan.root, step=plan.step,
-             types=[data.type_name(t) for t in plan.dtypes], impls=plan.impls)
+             types=[data.type_name(t) for t in plan.dtypes], impls=plan.impls, accumulate=plan.accumulate)
     return d
 
 

@@ -119,31 +119,34 @@ class RingcommImpl:
 
     name = "ringcomm"
 
-    def __init__(self, comm: Any, stream: Any = None) -> None:
+    def __init__(self, comm: Any, stream: Any = None, accumulate: str | None = None) -> None:
         self.comm = comm
         self.stream = stream  # a CuPy stream on GPU runs, None on the host
+        self.accumulate = accumulate  # ringcomm's accumulate= for all_reduce, reduce_scatter, reduce
 
     def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
         """One header line: what this implementation is and how it moves data."""
-        return f"ringcomm {_version()}: ring collectives, transport {self.comm.transport_name(array)}"
+        acc = f", float16/bfloat16 partial sums in {self.accumulate}" if self.accumulate else ""
+        return f"ringcomm {_version()}: ring collectives, transport {self.comm.transport_name(array)}{acc}"
 
     def prepare(self, case: Case, arrays: Arrays, inplace: bool) -> Prepared | str:
         comm, op, root, c = self.comm, case.op, case.root, case.collective
         kw = {} if self.stream is None else {"stream": self.stream}
+        red = dict(kw, accumulate=self.accumulate) if self.accumulate else kw  # the reducing collectives
         s, r = arrays.send, arrays.recv
         lo, hi = case.shard
         if c == "broadcast" and not inplace:
             return "ringcomm's broadcast is in place only"
         calls: dict[tuple[str, bool], Callable[[], Any]] = {
-            ("all_reduce", False): lambda: comm.all_reduce(s, op, out=r, **kw),
-            ("all_reduce", True): lambda: comm.all_reduce(r, op, **kw),
-            ("reduce_scatter", False): lambda: comm.reduce_scatter(s, op, out=r, **kw),
-            ("reduce_scatter", True): lambda: comm.reduce_scatter(s, op, out=s[lo:hi], **kw),
+            ("all_reduce", False): lambda: comm.all_reduce(s, op, out=r, **red),
+            ("all_reduce", True): lambda: comm.all_reduce(r, op, **red),
+            ("reduce_scatter", False): lambda: comm.reduce_scatter(s, op, out=r, **red),
+            ("reduce_scatter", True): lambda: comm.reduce_scatter(s, op, out=s[lo:hi], **red),
             ("all_gather", False): lambda: comm.all_gather(s, out=r, **kw),
             ("all_gather", True): lambda: comm.all_gather(r[lo:hi], out=r, **kw),
             ("broadcast", True): lambda: comm.broadcast(r, root, **kw),
-            ("reduce", False): lambda: comm.reduce(s, op, root, out=r, **kw),
-            ("reduce", True): lambda: comm.reduce(r, op, root, **kw),
+            ("reduce", False): lambda: comm.reduce(s, op, root, out=r, **red),
+            ("reduce", True): lambda: comm.reduce(r, op, root, **red),
         }
         sync = stream_sync(comm, self.stream) if self.stream is not None else _no_sync
         return Prepared(calls[c, inplace], result_view(case, arrays, inplace), sync)

@@ -55,7 +55,8 @@ from .staged import EventPool, StagedTransport, wait_event
 
 log = logging.getLogger("ringcomm")
 
-SRC, WORK, SCRATCH = 0, 1, 2
+SRC, WORK, SCRATCH, ACC = 0, 1, 2, 3  # ACC: the float32 partial sums (accumulate="float32")
+SLOTS = (SRC, WORK, SCRATCH, ACC)
 #: descriptor words per buffer slot: state, offset in allocation, nbytes, allocation size, 8 words of handle
 _DESC = 12
 _UNUSED, _VALID, _FAILED = 0, 1, -1
@@ -160,8 +161,8 @@ class IpcTransport:
         self._ready_in = np.zeros((cap, 4), np.int64)
         self._done_out = np.zeros((cap, 1), np.int64)
         self._done_in = np.zeros((cap, 1), np.int64)
-        self._desc_out = np.zeros((3, _DESC), np.int64)
-        self._desc_in = np.zeros((3, _DESC), np.int64)
+        self._desc_out = np.zeros((len(SLOTS), _DESC), np.int64)
+        self._desc_in = np.zeros((len(SLOTS), _DESC), np.int64)
         self._release_out = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)  # count, closing flag, handles
         self._release_in = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)
         self._flag_out = np.zeros(1, np.int32)
@@ -172,7 +173,7 @@ class IpcTransport:
 
     def _clear(self) -> None:
         self._seq = 0
-        self._incoming = None  # (request, row, count) of this step's "ready" from the left
+        self._incoming = None  # (request, row, count, dtype) of this step's "ready" from the left
         self._reading = False  # this step read from the left: send "read done" at step_done
         self._done_pending: list = []  # (step index, request) "read done" expected from the right
         self._sends: list = []  # Isend requests of "ready" and "read done" messages
@@ -192,8 +193,7 @@ class IpcTransport:
         self._cupy = cupy
         self._began = True
         self.stream = self.device.stream
-        self._dtype = np.dtype(ctx.dtype)
-        self._work, self._src = work, src
+        self._work, self._src, self._acc = work, src, ctx.acc
         base = ctx.identity()
         self._t_handles, self._t_ready, self._t_done, self._t_released = (
             base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
@@ -203,7 +203,7 @@ class IpcTransport:
         problem = ""
         try:
             with cupy.cuda.Device(self.device.device_id):  # driver calls need the device's context current
-                self._describe(work, src)
+                self._describe(work, src, ctx.acc)
         except Exception as e:  # noqa: BLE001 - any failure means: fall back, on every rank
             problem = f"exporting this rank's buffers failed: {e}"
             self._desc_out[:, 0] = _FAILED
@@ -211,10 +211,10 @@ class IpcTransport:
         wait([mpi.Irecv(self._desc_in, left, self._t_handles), mpi.Isend(self._desc_out, right, self._t_handles),
               mpi.Irecv(self._release_in, right, self._t_released), mpi.Isend(self._release_out, left, self._t_released)],
              ctx, None, left, "exchanging CUDA IPC handles")
-        self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in (SRC, WORK, SCRATCH)})
+        self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in SLOTS})
         if not problem:
             try:
-                self._peer = [self._open(self._desc_in[slot]) for slot in (SRC, WORK, SCRATCH)]
+                self._peer = [self._open(self._desc_in[slot]) for slot in SLOTS]
             except Exception as e:  # noqa: BLE001
                 problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
         self._flag_out[0] = 0 if problem else 1
@@ -234,8 +234,9 @@ class IpcTransport:
         self.name = "staged"
         self._active = False
 
-    def _describe(self, work: Any, src: Any) -> None:
-        """Fill the outgoing descriptor: how the right neighbour can map src, work and the scratch.
+    def _describe(self, work: Any, src: Any, acc: Any) -> None:
+        """Fill the outgoing descriptor: how the right neighbour can map src, work, the partial
+        sums (``acc``, or None) and the scratch.
 
         Every allocation exported is pinned (a reference to the array it was exported for, which
         keeps CuPy's pool from freeing it) until the right reports its mapping closed.
@@ -245,8 +246,8 @@ class IpcTransport:
         self._desc_out[:] = 0
         self._slot_of: dict[int, int] = {}
         need_scratch = 0
-        for slot, a in ((SRC, src), (WORK, work)):
-            if a.nbytes == 0:
+        for slot, a in ((SRC, src), (WORK, work), (ACC, acc)):
+            if a is None or a.nbytes == 0:
                 continue
             ptr = pointer(a)
             drv = _get_driver()
@@ -349,16 +350,16 @@ class IpcTransport:
         return table[self._seq]
 
     # ------------------------------------------------------------------ steps
-    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
+    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
         if self.fallback is not None:
-            return self.fallback.post(step, send, recv_count, recv_into)
+            return self.fallback.post(step, send, recv_count, recv_into, recv_dtype)
         if not self._active:
             return None
         mpi, ctx, left, right = self.comm.mpi, self.ctx, self.comm.left, self.comm.right
         self._incoming = None
         if recv_count:
             row = self._row(self._ready_in)
-            self._incoming = (mpi.Irecv(row, left, self._t_ready), row, recv_count)
+            self._incoming = (mpi.Irecv(row, left, self._t_ready), row, recv_count, np.dtype(recv_dtype))
         if send is not None and send.size:
             slot, offset = self._locate(send)
             if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
@@ -377,15 +378,17 @@ class IpcTransport:
         return None
 
     def _locate(self, send: Any) -> tuple[int, int]:
-        """(slot, byte offset within the slot's array) of the chunk ``send`` (a view of work or src)."""
+        """(slot, byte offset within the slot's array) of the chunk ``send`` (a view of work, src or acc)."""
         from ..devices.cuda import pointer
 
         p = pointer(send)
-        for slot, a in ((WORK, self._work), (SRC, self._src)):
+        for slot, a in ((WORK, self._work), (SRC, self._src), (ACC, self._acc)):
+            if a is None:
+                continue
             start = pointer(a)
             if a.nbytes and start <= p and p + send.nbytes <= start + a.nbytes:
                 return self._slot_of[slot], p - start
-        raise RuntimeError("ipc transport: the chunk to send is neither in work nor in src")
+        raise RuntimeError("ipc transport: the chunk to send is neither in work, src nor the partial sums")
 
     def _wait_done_before(self, step: Any) -> None:
         earlier = [req for index, req in self._done_pending if index < step.index]
@@ -400,11 +403,11 @@ class IpcTransport:
             return
         if not self._active or self._incoming is None:
             return
-        req, row, count = self._incoming
+        req, row, count, dtype = self._incoming
         wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)
         index, slot, offset, nbytes = (int(v) for v in row)
-        view = self._peer[slot] if 0 <= slot <= SCRATCH else None
-        want = count * self._dtype.itemsize
+        view = self._peer[slot] if 0 <= slot < len(SLOTS) else None
+        want = count * dtype.itemsize
         if nbytes != want or index != step.index or view is None:
             raise MismatchError(
                 f"{self.ctx.collective} call {self.ctx.call}: rank {self.comm.rank} expected {want} bytes of chunk "
@@ -412,7 +415,7 @@ class IpcTransport:
                 f"{nbytes} bytes at its step {index}: the ranks disagree on the count or the dtype"
             )
         self._reading = True
-        yield 0, count, view[offset: offset + nbytes].view(self._dtype)
+        yield 0, count, view[offset: offset + nbytes].view(dtype)
 
     def step_done(self, step: Any) -> None:
         if self.fallback is not None:
@@ -439,7 +442,7 @@ class IpcTransport:
                  "the right neighbour to finish reading this rank's chunks (CUDA IPC)")
             wait(self._sends, self.ctx, None, self.comm.right, "delivering CUDA IPC step messages")
         self._clear()
-        self._work = self._src = None
+        self._work = self._src = self._acc = None
         return None
 
     def close(self) -> None:
@@ -489,5 +492,5 @@ class IpcTransport:
             recvs.append(self._incoming[0])
         cancel(recvs, self._sends)
         self._clear()
-        self._work = self._src = None
+        self._work = self._src = self._acc = None
         return None

@@ -44,31 +44,28 @@ class MpiTransport:
     def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
         self.ctx, self.device = ctx, ctx.device
         self._on_host = self.device.name == "host"
-        self._per_slice = max(1, self.slice_bytes // work.itemsize)
         self._tag = ctx.identity() | tags.DATA
         ctx.expect = (self._tag,)
 
-    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
-        per = self._per_slice
+    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
         if recv_count:
             if recv_into is None:
-                dtype = self.ctx.dtype
-                need = recv_count * dtype.itemsize
+                need = recv_count * recv_dtype.itemsize
                 if self._scratch is None or self._scratch.size < need:  # grows once, then reused
                     self._scratch = self.device.empty(need, "u1")
-                dst = self._scratch[:need].view(dtype)
+                dst = self._scratch[:need].view(recv_dtype)
             else:
                 dst = recv_into
             self._in_place = recv_into is not None
             left, tag = self.comm.left, self._tag
-            for lo, hi in slices(recv_count, per):
+            for lo, hi in slices(recv_count, max(1, self.slice_bytes // dst.itemsize)):
                 self._recvs.append((lo, hi, dst[lo:hi], self.comm.mpi.Irecv(as_bytes(dst[lo:hi]), left, tag)))
         if send is not None and send.size:
             if not self._on_host:  # the chunk may still be in flight on the stream
                 self.device.synchronize(self.ctx, step.index, self.comm.right, "this rank's kernels producing chunk %s",
                                         step.send)
             right, tag = self.comm.right, self._tag
-            for lo, hi in slices(send.size, per):
+            for lo, hi in slices(send.size, max(1, self.slice_bytes // send.itemsize)):
                 self._sends.append(self.comm.mpi.Isend(as_bytes(send[lo:hi]), right, tag))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:

@@ -97,6 +97,7 @@ class StagedTransport:
         self._dev = Reused()  # device scratch for reduce steps, reused across calls (and streams)
         self._dev_recv = None  # this call's view of it
         self._copy_stream = None  # device-to-host copies
+        self._send_it = 1  # bytes per element of the chunk being sent (float32 partial sums, or the dtype's)
         self._events = EventPool()
         self._reset()
 
@@ -123,12 +124,11 @@ class StagedTransport:
         self._rt = cupy.cuda.runtime
         self._tag = ctx.identity() | tags.DATA
         ctx.expect = (self._tag,)
-        self._itemsize = work.itemsize
-        self._per_slice = max(1, self.slice_bytes // self._itemsize)
         self._reset()
         if self.comm.size == 1:  # no steps: nothing to stage
             return
-        need = max((hi - lo for lo, hi in bounds), default=0) * self._itemsize
+        widest = max(work.itemsize, ctx.acc.itemsize if ctx.acc is not None else 0)  # float32 partials
+        need = max((hi - lo for lo, hi in bounds), default=0) * widest
         if self._host_send is None or self._host_send.size < need:
             self._pinned.clear()
             self._host_send = self._pinned_array(max(need, 1))
@@ -138,12 +138,12 @@ class StagedTransport:
             self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._reset()
 
-    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any) -> None:
-        mpi, comm, it = self.comm.mpi, self.comm, self._itemsize
+    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
+        mpi, comm = self.comm.mpi, self.comm
         self._reset()
-        self._recv_into = recv_into
+        self._recv_into, self._recv_dtype, it = recv_into, recv_dtype, recv_dtype.itemsize
         if recv_count:
-            for lo, hi in slices(recv_count, self._per_slice):
+            for lo, hi in slices(recv_count, max(1, self.slice_bytes // it)):
                 view = self._host_recv[lo * it: hi * it]
                 self._recvs.append((lo, hi, view, mpi.Irecv(view, comm.left, self._tag)))
         if send is not None and send.size:
@@ -154,7 +154,8 @@ class StagedTransport:
             self._copy_stream.wait_event(ready)
             base, host = pointer(send), self._host_send.ctypes.data
             d2h = getattr(self._rt, "memcpyDeviceToHost", 2)
-            for lo, hi in slices(send.size, self._per_slice):
+            self._send_it = it = send.itemsize
+            for lo, hi in slices(send.size, max(1, self.slice_bytes // it)):
                 self._rt.memcpyAsync(host + lo * it, base + lo * it, (hi - lo) * it, d2h, self._copy_stream.ptr)
                 ev = self._events.take()
                 ev.record(self._copy_stream)
@@ -163,7 +164,7 @@ class StagedTransport:
     def _send_ready(self, step: Any, upto: int, block: bool) -> None:
         """Post the Isend of every slice whose device-to-host copy is done; with ``block``, of the
         first ``upto`` slices at least (waiting for their copies)."""
-        mpi, it = self.comm.mpi, self._itemsize
+        mpi, it = self.comm.mpi, self._send_it
         while self._pending:
             lo, hi, ev = self._pending[0]
             if not ev.done:
@@ -174,7 +175,7 @@ class StagedTransport:
             self._sends.append(mpi.Isend(self._host_send[lo * it: hi * it], self.comm.right, self._tag))
 
     def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
-        it = self._itemsize
+        it = self._recv_dtype.itemsize
         h2d = getattr(self._rt, "memcpyHostToDevice", 1)
         from ..devices.cuda import pointer
 
@@ -187,7 +188,7 @@ class StagedTransport:
             wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=(view.nbytes,))
             self._rt.memcpyAsync(dst + lo * it, view.ctypes.data, (hi - lo) * it, h2d, self.stream.ptr)
             if target is None:
-                yield lo, hi, self._dev_recv[lo * it: hi * it].view(self.ctx.dtype)
+                yield lo, hi, self._dev_recv[lo * it: hi * it].view(self._recv_dtype)
             else:
                 yield lo, hi, None
         if self._recvs:

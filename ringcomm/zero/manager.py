@@ -39,7 +39,7 @@ import numpy as np
 
 from ..arrays import classify
 from ..communicator import Communicator
-from ..ops import FLOAT_DTYPES
+from ..ops import FLOAT_DTYPES, parse_accumulate
 from ..records import exchange
 from . import checkpoint
 from .adam import apply_adam
@@ -113,7 +113,9 @@ class ZeroShardManager:
     steps (e.g. ``mgr.lr = ...``). ``max_grad_norm``: clip the global L2 norm of the averaged,
     unscaled gradient to this value (coefficient min(1, max_norm / (norm + 1e-6)), as
     ``torch.nn.utils.clip_grad_norm_``), or None. ``loss_scale``: None, a float (static) or
-    "dynamic" (see :class:`ringcomm.zero.scaler.LossScaler`).
+    "dynamic" (see :class:`ringcomm.zero.scaler.LossScaler`). ``accumulate``: None or "float32":
+    the gradient reduction of float16/bfloat16 parameters adds in float32 and rounds once (the
+    collectives' ``accumulate=``; DeepSpeed's ``communication_data_type`` without a float32 copy).
 
     Construction is collective (every rank of ``comm`` calls it with parameters of the same shapes
     and dtype); so are :meth:`step`, :meth:`gathered`, :meth:`save` and :meth:`load`, which every
@@ -138,8 +140,10 @@ class ZeroShardManager:
         weight_decay: float = 0.0,
         max_grad_norm: float | None = None,
         loss_scale: None | float | str = None,
+        accumulate: str | None = None,
     ) -> None:
         # ---- local validation, before any communication
+        self.accumulate = parse_accumulate(accumulate)  # float16/bfloat16 gradients: summed in float32
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a ringcomm.Communicator (ringcomm.init()); got {type(comm).__name__}")
         if isinstance(stage, bool) or stage not in STAGES:
@@ -338,7 +342,7 @@ class ZeroShardManager:
             buf = self._staging[: n * m]
             for r in range(n):
                 fill(r * S + o, r * S + o + m, buf[r * m : (r + 1) * m])
-            self.comm.reduce_scatter(buf, "sum", out=landing[o : o + m])
+            self.comm.reduce_scatter(buf, "sum", out=landing[o : o + m], accumulate=self.accumulate)
 
     def step(self, grads: Sequence[Any]) -> bool:
         """One optimizer step from this rank's local ``grads`` (one array per parameter, its shape,
@@ -361,14 +365,15 @@ class ZeroShardManager:
         if stage == 0:
             if not zero_copy:
                 layout.pack(flats, 0, layout.padded, self._grad_flat)
-            comm.all_reduce(self._grad_flat, "sum")
+            comm.all_reduce(self._grad_flat, "sum", accumulate=self.accumulate)
             reduced = self._grad_flat
         elif stage == 1:
             if not zero_copy:
                 layout.pack(flats, 0, layout.padded, self._grad_flat)
             reduced = self._grad_flat[lo:hi]
             if self._bucket == layout.shard_size:
-                comm.reduce_scatter(self._grad_flat, "sum", out=reduced)  # x is copied first: out may alias it
+                # x is copied first: out may alias it
+                comm.reduce_scatter(self._grad_flat, "sum", out=reduced, accumulate=self.accumulate)
             else:
                 gf = self._grad_flat
 

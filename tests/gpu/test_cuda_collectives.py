@@ -22,6 +22,7 @@ from mpi4py import MPI
 cupy, _ngpu = require_gpu()
 
 from ringcomm.ops import ReduceOp  # noqa: E402
+from ringcomm.ops import bfloat16 as ringcomm_bfloat16  # noqa: E402
 from ringcomm.transports import ipc, staged  # noqa: E402
 
 NPROCS = [1, 2, 4]
@@ -301,3 +302,35 @@ def test_pool_trimmed_between_collectives_and_after_close(monkeypatch):
     comm.close()
     pool.free_all_blocks()
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_float32_accumulation_is_bitwise_the_hosts():
+    """accumulate="float32" on half types: the GPU (each transport; its partial sums travel in
+    float32) gives the host path's bits, for all_reduce (ring and gather-fold), reduce_scatter and
+    reduce, every op."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    hostcomm = make_comm(small_bytes=0)
+    n, r = mpi.size, mpi.rank
+    for transport in transports():
+        ring, small = comm_with(transport, small_bytes=0), comm_with(transport)
+        for dtype in (np.dtype(np.float16), ringcomm_bfloat16):
+            for op in ops_for(dtype):
+                for count in sorted({1, n + 1, 16 * n + 3, 40_003}):
+                    what = f"{transport} N={n} {dtype} {op} count={count}"
+                    x = random_input(rng, count, dtype, op)
+                    expect = hostcomm.all_reduce(x.copy(), op, accumulate="float32")
+                    assert host(ring.all_reduce(dev(x, count % 2), op, accumulate="float32")).tobytes() == \
+                        expect.tobytes(), f"all_reduce {what}"
+                    if count * dtype.itemsize <= small.small_bytes:
+                        got = host(small.all_reduce(dev(x), op, out=poisoned(count, dtype), accumulate="float32"))
+                        assert got.tobytes() == expect.tobytes(), f"gather-fold all_reduce {what}"
+                    lo, hi = ring.shard_bounds(count)[r]
+                    shard = host(ring.reduce_scatter(dev(x), op, accumulate="float32"))
+                    assert shard.tobytes() == expect[lo:hi].tobytes(), f"reduce_scatter {what}"
+                    res = ring.reduce(dev(x), op, root=n - 1, out=poisoned(count, dtype), accumulate="float32")
+                    want = hostcomm.reduce(x.copy(), op, root=n - 1, accumulate="float32")
+                    if r == n - 1:
+                        assert host(res).tobytes() == want.tobytes(), f"reduce {what}"
