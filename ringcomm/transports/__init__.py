@@ -1,8 +1,12 @@
 """Transports move a chunk from the left neighbour; they never decide which chunk moves.
 
 Protocol (used by :func:`ringcomm.engine.execute`): ``begin(ctx, work, src, bounds)``,
-``post(step, send, recv_count, recv_into)``, ``recv(step)`` yielding ``(lo, hi, incoming)`` pieces,
-``step_done(step)``, ``end()``, ``abort()``, ``close()``. See transports/mpi.py for the reference one.
+``post(step, send, recv_count, recv_into, recv_dtype)`` (``recv_dtype``: what the incoming chunk is
+made of, float32 for partial sums under accumulate="float32", else the call's dtype), ``recv(step)``
+yielding ``(lo, hi, incoming)`` pieces, ``step_done(step)``, ``end()``, ``abort()``, ``close()``.
+Every message's tag is the call's (``ctx.identity() | channel``, ringcomm.tags), and the transport
+sets ``ctx.expect`` to the tags its messages of this call may carry. See transports/mpi.py for the
+reference one.
 """
 
 from __future__ import annotations
