@@ -2,8 +2,10 @@
 
 Both implement the same small protocol, used by the engine and the transports:
 ``reduce(dst, a, b, op, div=1)``, ``copy(dst, src)``, ``empty(count, dtype)``,
-``synchronize(ctx, step, peer, what)`` (a wait with the communicator's deadline), and for
-:class:`Reused` buffers ``after(last)``, ``record(last)``, ``retire(buf, last)``.
+``synchronize(ctx, step, peer, what)`` (a wait with the communicator's deadline); for float32
+accumulation of half types ``widen(dst, a)``, ``reduce_acc(dst, a, b, op)`` (float32 partial sums)
+and ``reduce_acc_final(dst, a, b, op, div=1)`` (rounded once); and for :class:`Reused` buffers
+``after(last)``, ``record(last)``, ``retire(buf, last)``.
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ def warm_up() -> None:
     kernel("reduce.cu", "ringcomm_reduce_sum_f32")
     kernel("copy.cu", "ringcomm_copy")
     kernel("optimizer.cu", "ringcomm_adam_f32_f32_none")
+    kernel("accumulate.cu", "ringcomm_widen_f16")
 
 
 def sm_count(device_id: int) -> int:

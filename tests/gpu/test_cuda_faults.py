@@ -89,7 +89,7 @@ def test_hung_stream_times_out_instead_of_hanging(monkeypatch, transport):
     if r == 0:
         cupy._stall(s)
     t0 = time.monotonic()
-    with pytest.raises(ringcomm.TimeoutError) as caught:
+    with pytest.raises((ringcomm.TimeoutError, ringcomm.AbortError)) as caught:  # the first to time out tells the other
         comm.all_reduce(x, stream=s)
     took = time.monotonic() - t0
     assert caught.value.collective == "all_reduce"
