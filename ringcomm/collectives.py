@@ -24,7 +24,7 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     tensor, else on CuPy's current stream (arrays.default_stream). DLPack imports happen on it.
     """
     comm._usable()
-    run_on = default_stream(x, stream, name)
+    run_on = stream if type(x) is np.ndarray else default_stream(x, stream, name)  # numpy: no stream to pick
     kind, a = classify(x, name, run_on)
     check_dtype(a.dtype, op)
     if stream is not None and kind == "host":
@@ -50,8 +50,8 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str =
 
 def _accumulating(comm: Any, accumulate: Any, dtype: np.dtype) -> bool:
     """Whether this call adds in float32 (accumulate="float32", or RINGCOMM_ACCUMULATE, on a half type)."""
-    mode = parse_accumulate(accumulate) if comm.accumulate_override == "" else comm.accumulate_override
-    return mode == "float32" and dtype in HALF_DTYPES
+    mode = accumulate if comm.accumulate_override == "" else comm.accumulate_override
+    return mode is not None and parse_accumulate(mode) == "float32" and dtype in HALF_DTYPES
 
 
 def _acc(comm: Any, kind: str, device: Any, count: int) -> Any:
