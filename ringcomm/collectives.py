@@ -81,6 +81,7 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
             work = src
     n, r, count = comm.size, comm.rank, src.size
     ctx = Context("all_reduce", comm, device, src.dtype, op)
+    ctx.wide = wide
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result).
@@ -116,6 +117,7 @@ def reduce_scatter(
     lo, hi = bounds[comm.rank]
     result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device=device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
+    ctx.wide = wide
     work = comm._scratch_array(kind, device, src.size, src.dtype)
     if wide:
         ctx.acc = _acc(comm, kind, device, src.size)
@@ -193,6 +195,7 @@ def reduce(
         work = o
     nchunks = schedule.chain_chunks(n, src.size, src.itemsize, comm.slice_bytes)
     ctx = Context("reduce", comm, device, src.dtype, op)
+    ctx.wide = wide
     steps = schedule.reduce(n, comm.rank, root, nchunks)
     result = range(nchunks) if is_root else ()
     if wide:

@@ -12,9 +12,9 @@ from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .engine import Context, Fold, Plan, execute
 from .errors import AbortError, MismatchError, RingcommError
-from .ops import SUPPORTED_DTYPES, ReduceOp, parse_accumulate
+from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
-from .transports.base import wait
+from .transports.base import abandon, wait
 
 log = logging.getLogger("ringcomm")
 
@@ -225,6 +225,10 @@ class Communicator:
         except RingcommError as e:
             self._abort(e)
             raise
+        except MPI.Exception as e:  # no raw MPI error leaves a collective
+            error = RingcommError(f"MPI error on rank {self.rank}: {e.Get_error_string()}")
+            self._abort(error)
+            raise error from e
 
     # ------------------------------------------------------------------ aborts and mismatches
     def _abort(self, error: BaseException) -> None:
@@ -288,13 +292,18 @@ class Communicator:
         """
         self._seq += 1
         mine = np.array(
-            [self._seq, _KINDS.index(kind), count, SUPPORTED_DTYPES.index(ctx.dtype), _OPS.index(ctx.op), root, extra],
+            [self._seq, _KINDS.index(kind), count, tags.dtype_code(ctx.dtype, ctx.wide), _OPS.index(ctx.op), root, extra],
             np.int64,
         )
         table = np.empty((self.size, mine.size), np.int64)
-        wait([self.mpi.Iallgather(mine, table)], ctx, None, self.left, "argument agreement")
+        request = self.mpi.Iallgather(mine, table)
+        try:
+            wait([request], ctx, None, self.left, "argument agreement")
+        except BaseException:  # a late peer may still complete it: its buffers must outlive this call
+            abandon(request, mine, table)
+            raise
         names = ("call number", "collective", "count", "dtype", "op", "root")
-        show = (int, lambda i: _KINDS[i], int, lambda i: SUPPORTED_DTYPES[i], lambda i: _OPS[i], int)
+        show = (int, lambda i: _KINDS[i], int, tags.dtype_name, lambda i: _OPS[i], int)
         for j, (name, fmt) in enumerate(zip(names, show)):
             if (table[:, j] != table[0, j]).any():
                 values = ", ".join(f"rank {r}: {fmt(int(v))}" for r, v in enumerate(table[:, j]))

@@ -18,6 +18,7 @@ import numpy as np
 
 from .ops import ReduceOp
 from .schedule import Bounds, Step, fold_order
+from .tags import PLAN, PLAN_CALLS
 
 
 class Context:
@@ -25,7 +26,7 @@ class Context:
     and the call's identity: its root and number (set by the Communicator when the call starts)
     and the base MPI tag of its messages (:meth:`identity`; None for set-up waits)."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc", "wide")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -41,11 +42,12 @@ class Context:
         #: accumulate="float32" on a half type: a float32 array as long as the buffer, where the
         #: partial sums of the reduce-scatter phase live and travel (None otherwise)
         self.acc: Any = None
+        self.wide = False  # accumulate="float32" on a half type (part of the call's identity)
 
     def identity(self) -> int:
         """The base MPI tag of this call's messages (ringcomm.tags), made on first use."""
         if self.tag is None:
-            self.tag = self.comm._layout.base(self.collective, self.dtype, self.op, self.root, self.call)
+            self.tag = self.comm._layout.base(self.collective, self.dtype, self.op, self.root, self.call, self.wide)
         return self.tag
 
 
@@ -132,9 +134,10 @@ class Plan:
     requests, MPI_Send_init/Recv_init), a run restarts them with no set-up at all; otherwise a run
     is the engine's loop, :func:`execute`. Used where latency is everything: small all-reduces.
 
-    A persistent request's tag is fixed, so the steps are prepared once per (op, parity of the call
-    number): each run's messages still name the collective, dtype, op and, by parity, the call
-    (ringcomm.tags), and a rank that skipped one call cannot match its neighbours' messages.
+    A persistent request's tag is fixed, so the steps are prepared once per op, accumulation and
+    call number modulo ``tags.PLAN_CALLS``: each run's messages still name the collective, dtype,
+    op and, modulo 4, the call (ringcomm.tags), so a rank that skipped a call cannot match its
+    neighbours' messages.
     """
 
     def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, transport: Any) -> None:
@@ -143,13 +146,13 @@ class Plan:
         self.steps, self.bounds, self.buf, self.transport = steps, bounds, buf, transport
         self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
         self._prepare = getattr(transport, "prepare", None)
-        self._prepared: tuple[dict, dict] = ({}, {})  # by parity of the call number, then by op
+        self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4, op
 
     def run(self, ctx: Context) -> int:
         """Run the steps; return the payload bytes this rank sent."""
         if self._prepare is None:
             return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.transport)
-        prepared = self._prepared[ctx.call & 1].get(ctx.op)
+        prepared = self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide))
         if prepared is None:
             prepared = self._make(ctx)
             if prepared is None:  # this transport cannot prepare these buffers: the engine's loop
@@ -159,18 +162,16 @@ class Plan:
         return self.sent
 
     def _make(self, ctx: Context) -> list | None:
-        from .tags import PLAN
-
         def view(chunk: int | None) -> Any:
             return None if chunk is None else self.buf[slice(*self.bounds[chunk])]
 
-        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call & 1) | PLAN
+        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
         prepared = [self._prepare(ctx, st, view(st.send), view(st.recv), tag) for st in self.steps]
         if None in prepared:
             self._free([p for p in prepared if p is not None])
             self._prepare = None
             return None
-        self._prepared[ctx.call & 1][ctx.op] = prepared
+        self._prepared[ctx.call % PLAN_CALLS][ctx.op, ctx.wide] = prepared
         return prepared
 
     @staticmethod

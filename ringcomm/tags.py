@@ -2,8 +2,8 @@
 
 A tag packs, from the low bits up: the channel (what the message is: ring data, the small
 all-reduce plan, the CUDA IPC handshake's handles, "ready", "done" and "released" messages, an
-abort), then the identity of the call: the collective, the dtype, the op, the root and the call
-number (this communicator's count of collectives, the same on every rank when they call the same
+abort), then the identity of the call: the collective, the dtype (and whether a half type's partial
+sums are float32: accumulate="float32"), the op, the root and the call number (this communicator's count of collectives, the same on every rank when they call the same
 sequence). A receive posted for one call can then never match a message of another: ranks that
 disagree on the call see a message they did not expect instead of wrong data, and report it.
 
@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .ops import SUPPORTED_DTYPES, ReduceOp
+from .ops import HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp
 
 #: what a message is (the low 3 bits of its tag)
 DATA, PLAN, HANDLES, READY, DONE, RELEASED, ABORT, END = range(8)
 CHANNEL_NAMES = ("data", "small all-reduce plan", "ipc handles", "ipc ready", "ipc done", "ipc released", "abort",
                  "end")
+#: a small all-reduce plan's persistent requests carry the call number modulo this (engine.Plan)
+PLAN_CALLS = 4
 #: the collectives a tag can name ("close": the CUDA IPC transport's closing handshake)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "close")
 _OPS = (None, *ReduceOp)
@@ -51,9 +53,10 @@ class Layout:
         root_bits = min(max(0, left - 8), int(size).bit_length())  # root + 1 in [0, size]
         return cls(bits, root_bits, left - root_bits)
 
-    def base(self, collective: str, dtype, op: ReduceOp | None, root: int, call: int) -> int:
-        """The tag of this call's messages, channel 0 (add the channel: ``base | channel``)."""
-        return _identity(collective, dtype, op, root, self.root_bits) | (call % (1 << self.call_bits)) << (
+    def base(self, collective: str, dtype, op: ReduceOp | None, root: int, call: int, wide: bool = False) -> int:
+        """The tag of this call's messages, channel 0 (add the channel: ``base | channel``).
+        ``wide``: float32 accumulation of a half type (another dtype code: the ranks must agree)."""
+        return _identity(collective, dtype, op, root, self.root_bits, wide) | (call % (1 << self.call_bits)) << (
             _FIXED + self.root_bits)
 
     @staticmethod
@@ -63,10 +66,10 @@ class Layout:
     def later(self, tag: int, call: int) -> bool:
         """Whether ``tag`` is a message of a call after ``call``: a neighbour one call ahead of this
         rank (its messages of the next call may arrive while this rank still waits in ``call``).
-        A plan's tag carries the parity of its call only: another parity counts as later."""
-        span = 2 if tag & 7 == PLAN else 1 << self.call_bits
+        A plan's tag carries its call number modulo PLAN_CALLS only: up to 2 calls ahead count as later."""
+        span = PLAN_CALLS if tag & 7 == PLAN else 1 << self.call_bits
         folded = (tag >> (_FIXED + self.root_bits)) % span
-        return 0 < (folded - call) % span <= max(1, span // 2 - 1)
+        return 0 < (folded - call) % span <= span // 2
 
     def describe(self, tag: int, near_call: int = 0) -> str:
         """What a tag says, in words, e.g. "reduce_scatter call 7 (float32, sum) data"; the call
@@ -79,17 +82,34 @@ class Layout:
         folded = tag >> (_FIXED + self.root_bits)
         call = near_call + ((folded - near_call + span // 2) % span) - span // 2
         name = COLLECTIVES[kind] if kind < len(COLLECTIVES) else f"collective #{kind}"
-        what = [str(SUPPORTED_DTYPES[dt]) if dt < len(SUPPORTED_DTYPES) else f"dtype #{dt}"]
+        what = [dtype_name(dt)]
         if op < len(_OPS) and _OPS[op] is not None:
             what.append(str(_OPS[op]))
         if root >= 0 and self.root_bits:
             what.append(f"root {root}")
-        if tag & 7 == PLAN:  # a plan's persistent requests carry the call number's parity only
-            return f"{name} ({', '.join(what)}) {CHANNEL_NAMES[PLAN]} of a call with {'odd' if folded & 1 else 'even'} number"
+        if tag & 7 == PLAN:  # a plan's persistent requests carry the call number modulo PLAN_CALLS only
+            return f"{name} ({', '.join(what)}) {CHANNEL_NAMES[PLAN]} of a call numbered {folded % PLAN_CALLS} mod {PLAN_CALLS}"
         return f"{name} call {call} ({', '.join(what)}) {CHANNEL_NAMES[tag & 7]}"
 
 
+def dtype_code(dtype, wide: bool = False) -> int:
+    """The 4-bit dtype field: the index in SUPPORTED_DTYPES, or after them the half types whose
+    partial sums are float32 (accumulate="float32": a call ranks must agree on, like the dtype)."""
+    if wide:
+        return len(SUPPORTED_DTYPES) + HALF_DTYPES.index(dtype)
+    return SUPPORTED_DTYPES.index(dtype)
+
+
+def dtype_name(code: int) -> str:
+    """What a dtype field says, e.g. "float16" or "float16, accumulate=float32"."""
+    if code < len(SUPPORTED_DTYPES):
+        return str(SUPPORTED_DTYPES[code])
+    if code - len(SUPPORTED_DTYPES) < len(HALF_DTYPES):
+        return f"{HALF_DTYPES[code - len(SUPPORTED_DTYPES)]}, accumulate=float32"
+    return f"dtype #{code}"
+
+
 @functools.lru_cache(maxsize=1024)
-def _identity(collective: str, dtype, op: ReduceOp | None, root: int, root_bits: int) -> int:
-    t = (COLLECTIVES.index(collective) << 3) | (SUPPORTED_DTYPES.index(dtype) << 6) | (_OPS.index(op) << 10)
+def _identity(collective: str, dtype, op: ReduceOp | None, root: int, root_bits: int, wide: bool) -> int:
+    t = (COLLECTIVES.index(collective) << 3) | (dtype_code(dtype, wide) << 6) | (_OPS.index(op) << 10)
     return t | ((root + 1) % (1 << root_bits)) << _FIXED

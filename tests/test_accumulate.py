@@ -121,3 +121,19 @@ def test_the_reduce_scatter_phase_moves_float32(seed):
     comm.all_reduce(x.copy(), accumulate="float32")
     wide = comm.bytes_sent - before - plain
     assert wide == 1.5 * plain, (plain, wide)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ranks_that_disagree_on_the_option_raise(seed):
+    """The option is part of the call's identity (its messages' tags, check=True's agreement): a rank
+    that folds in float32 while its peers do not never returns normally with other bits."""
+    mpi = MPI.COMM_WORLD
+    for count in (64, 40_003):  # the gather-fold path, where the bytes on the wire are the same, and the ring
+        comm = make_comm(timeout=5.0)
+        x = np.ones(count, np.float16)
+        with pytest.raises(ringcomm.RingcommError):
+            comm.all_reduce(x, accumulate="float32" if mpi.rank == 0 else None)
+        mpi.Barrier()
+    checked = make_comm(timeout=5.0, check=True)
+    with pytest.raises(ringcomm.MismatchError, match="accumulate=float32"):
+        checked.all_reduce(np.ones(64, np.float16), accumulate="float32" if mpi.rank == 0 else None)

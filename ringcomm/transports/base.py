@@ -95,9 +95,16 @@ def _size_mismatch(ctx: Any, step: int | None, peer: int, what: str, expected: i
     )
 
 
-#: sends left outstanding by an abort, kept referenced for the life of the process: MPICH crashes
-#: cancelling a send that its receiver has not matched, and MPI 4.1 deprecates MPI_Cancel for sends
-_abandoned: list[MPI.Request] = []
+#: requests left outstanding by an error, and their buffers, kept referenced for the life of the
+#: process: sends (MPICH crashes cancelling a send that its receiver has not matched, and MPI 4.1
+#: deprecates MPI_Cancel for sends) and collectives (they cannot be cancelled), which a late peer
+#: may still complete
+_abandoned: list = []
+
+
+def abandon(request: MPI.Request, *buffers: Any) -> None:
+    """Keep ``request`` and the buffers it reads or writes alive (see _abandoned)."""
+    _abandoned.append((request, buffers))
 
 
 def cancel(recvs: Sequence[MPI.Request], sends: Sequence[MPI.Request] = ()) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .. import tags
-from ..errors import MismatchError
+from ..errors import MismatchError, RingcommError
 from .base import cancel, wait
 from .staged import EventPool, StagedTransport, wait_event
 
@@ -215,6 +215,8 @@ class IpcTransport:
         if not problem:
             try:
                 self._peer = [self._open(self._desc_in[slot]) for slot in SLOTS]
+                with _mapped_lock:  # after every slot is open: the mappings of this call are the newest
+                    self._evict()
             except Exception as e:  # noqa: BLE001
                 problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
         self._flag_out[0] = 0 if problem else 1
@@ -320,19 +322,20 @@ class IpcTransport:
                 mem = cp.cuda.UnownedMemory(ptr, alloc, None, cp.cuda.runtime.getDevice())
                 mapping = _mapped[handle] = _Mapping(cp.ndarray((alloc,), np.uint8, cp.cuda.MemoryPointer(mem, 0)))
                 log.debug("ipc: rank %d mapped %d bytes of rank %d", self.comm.rank, alloc, self.comm.left)
-                self._evict()
             else:
                 _mapped.move_to_end(handle)
             mapping.owners.add(self)
+            if handle in self._releases:  # closed earlier, mapped again: the left must keep its pin
+                self._releases.remove(handle)
         if offset < 0 or offset + nbytes > alloc:
             raise RuntimeError(f"descriptor out of range: offset {offset} + {nbytes} bytes > allocation {alloc}")
         return mapping.whole[offset: offset + nbytes]
 
     def _evict(self) -> None:
-        # From begin() only (between this transport's collectives), with _mapped_lock held; the
+        # From begin() only, once every slot of the call is open, with _mapped_lock held: the
         # mappings of the current collective are the most recently used ones. Every transport
         # that used a closed mapping tells its left at its next collective (the exporter unpins).
-        while len(_mapped) > MAX_MAPPINGS:
+        while len(_mapped) > max(MAX_MAPPINGS, len(SLOTS)):
             handle, mapping = _mapped.popitem(last=False)
             self._close_mapping(mapping)
             for owner in mapping.owners:
@@ -478,8 +481,13 @@ class IpcTransport:
         ctx.call, ctx.tag, ctx.expect = call, tag, (tag,)
         self._fill_releases(closing=True)
         mpi = self.comm.mpi
-        wait([mpi.Irecv(self._release_in, self.comm.right, tag), mpi.Isend(self._release_out, self.comm.left, tag)],
-             ctx, None, self.comm.right, "the right neighbour to close its CUDA IPC mappings of this rank's memory")
+        try:
+            wait([mpi.Irecv(self._release_in, self.comm.right, tag), mpi.Isend(self._release_out, self.comm.left, tag)],
+                 ctx, None, self.comm.right, "the right neighbour to close its CUDA IPC mappings of this rank's memory")
+        except RingcommError as e:  # the neighbour is gone or aborted: keep the pins (the memory stays)
+            log.warning("ringcomm: rank %d closes without its right neighbour's word (%s); what it exported stays "
+                        "allocated", self.comm.rank, e)
+            return
         self._unpin_released()
         self._scratch = None
         self._began = False

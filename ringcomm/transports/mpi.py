@@ -17,7 +17,7 @@ tag per call, receives posted in the order the sends are made), and a send is co
 step ends, so the read-after-write and write-after-read hazards of DESIGN.md are both met by MPI.
 
 Identity: every message carries its call's tag (ringcomm.tags: collective, dtype, op, root, call
-number; a plan's persistent requests the parity of the call number, see engine.Plan), and every
+number; a plan's persistent requests the call number modulo 4, see engine.Plan), and every
 receive checks the size it got against the schedule's.
 """
 
@@ -46,6 +46,8 @@ class MpiTransport:
         self._on_host = self.device.name == "host"
         self._tag = ctx.identity() | tags.DATA
         ctx.expect = (self._tag,)
+        if not self._on_host:  # MPI's writes into device memory are not ordered with the stream's work
+            self.device.synchronize(ctx, None, self.comm.rank, "this rank's GPU work before the call's receives")
 
     def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
         if recv_count:
