@@ -201,13 +201,14 @@ def _u64(x: int) -> np.uint64:
 
 class LastUse:
     """The event recorded after the last use of a reused buffer, and the stream it was recorded on
-    (see :class:`ringcomm.devices.Reused`)."""
+    (see :class:`ringcomm.devices.Reused`). The stream object is kept, so that its handle cannot be
+    reused by a new stream while the comparison of handles in :meth:`CudaDevice.after` relies on it."""
 
-    __slots__ = ("event", "stream_ptr")
+    __slots__ = ("event", "stream")
 
     def __init__(self) -> None:
         self.event = cupy.cuda.Event(block=False, disable_timing=True)
-        self.stream_ptr = None
+        self.stream = None
 
 
 #: outgrown or dropped reused buffers, each kept until the event of its last use has completed
@@ -341,7 +342,7 @@ class CudaDevice:
     # ---- reused buffers (ringcomm.devices.Reused): ordered across the streams of successive calls
     def after(self, last: LastUse | None) -> None:
         """Make this device's stream wait for ``last`` (a no-op on the stream that recorded it)."""
-        if last is not None and last.stream_ptr is not None and last.stream_ptr != self.stream.ptr:
+        if last is not None and last.stream is not None and last.stream.ptr != self.stream.ptr:
             self.stream.wait_event(last.event)
 
     def record(self, last: LastUse | None) -> LastUse:
@@ -349,14 +350,14 @@ class CudaDevice:
         if last is None:
             last = LastUse()
         last.event.record(self.stream)
-        last.stream_ptr = self.stream.ptr
+        last.stream = self.stream
         return last
 
     @staticmethod
     def retire(buf: Any, last: LastUse | None) -> None:
         """Drop the reused buffer ``buf`` once its last use has completed (kept alive until then)."""
         _retired[:] = [(b, u) for b, u in _retired if not u.event.done]
-        if last is not None and last.stream_ptr is not None and not last.event.done:
+        if last is not None and last.stream is not None and not last.event.done:
             _retired.append((buf, last))
 
 
