@@ -32,12 +32,12 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     return kind, flat(a, name), comm._device(kind, run_on)
 
 
-def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, name: str = "out", device: Any = None) -> Any:
+def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any, name: str = "out") -> Any:
     """The flat view of a user-given output, checked for kind, dtype, size (unless None), writability.
 
     ``device``: the input's (from _input); a GPU DLPack ``out`` is imported on its stream.
     """
-    okind, o = classify(out, name, getattr(device, "stream", None))
+    okind, o = classify(out, name, device.stream)
     if okind != kind:
         raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
     if o.dtype != dtype:
@@ -54,11 +54,6 @@ def _accumulating(comm: Any, accumulate: Any, dtype: np.dtype) -> bool:
     return mode is not None and parse_accumulate(mode) == "float32" and dtype in HALF_DTYPES
 
 
-def _acc(comm: Any, kind: str, device: Any, count: int) -> Any:
-    """The float32 array (``count`` elements, reused) where a call's partial sums live."""
-    return comm._scratch_array(kind + " partial sums", device, count, np.dtype(np.float32))
-
-
 def _root(comm: Any, root: Any) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
         raise ValueError(f"root must be an integer rank in [0, {comm.size}); got {root!r}")
@@ -73,7 +68,7 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         writable(src, "x (all_reduce writes its result into x when out is None)")
         work = src
     else:
-        work = _output(out, kind, src.dtype, src.size, device=device)
+        work = _output(out, kind, src.dtype, src.size, device)
         rel = relation(work, src)
         if rel == "overlap":
             raise ValueError("out partly overlaps x; pass out=None (in place) or a separate array")
@@ -91,19 +86,15 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         device.copy(plan.buf[r * count : (r + 1) * count], src)
         comm._run_plan(ctx, count, plan)
         if wide:
-            fold(ctx, work, _acc(comm, kind, device, count))
-            comm._scratch_done(kind + " partial sums", device)
+            fold(ctx, work, comm._partial_sums(kind, device, count))
+            comm._scratch_done((kind, "partial sums"), device)
         else:
             fold(ctx, work)
         if reused is not None:
             reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
-        if wide:
-            ctx.acc = _acc(comm, kind, device, count)
         comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))
-        if wide:
-            comm._scratch_done(kind + " partial sums", device)
     return x if out is None else out
 
 
@@ -115,18 +106,14 @@ def reduce_scatter(
     wide = _accumulating(comm, accumulate, src.dtype)
     bounds = comm.shard_bounds(src.size)
     lo, hi = bounds[comm.rank]
-    result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device=device)
+    result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     ctx.wide = wide
     work = comm._scratch_array(kind, device, src.size, src.dtype)
-    if wide:
-        ctx.acc = _acc(comm, kind, device, src.size)
     steps = schedule.reduce_scatter(comm.size, comm.rank)
     comm._run(ctx, kind, src.size, steps, bounds, work, src, result_chunks=[comm.rank])
     device.copy(result, work[lo:hi])
     comm._scratch_done(kind, device)
-    if wide:
-        comm._scratch_done(kind + " partial sums", device)
     return out if out is not None else result
 
 
@@ -136,7 +123,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     ctx = Context("all_gather", comm, device, src.dtype, None)
     agreed = False
     if out is not None:
-        work = _output(out, kind, src.dtype, None, device=device)
+        work = _output(out, kind, src.dtype, None, device)
         count = work.size
         bounds = schedule.partition(count, n)
         lo, hi = bounds[r]
@@ -182,7 +169,7 @@ def reduce(
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
     n, is_root = comm.size, comm.rank == root
-    o = None if out is None else _output(out, kind, src.dtype, src.size, device=device)
+    o = None if out is None else _output(out, kind, src.dtype, src.size, device)
     rel = "same" if o is None else relation(o, src)
     if rel == "overlap":
         raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")
@@ -198,13 +185,9 @@ def reduce(
     ctx.wide = wide
     steps = schedule.reduce(n, comm.rank, root, nchunks)
     result = range(nchunks) if is_root else ()
-    if wide:
-        ctx.acc = _acc(comm, kind, device, src.size)
     comm._run(
         ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root
     )
-    if wide:
-        comm._scratch_done(kind + " partial sums", device)
     if not is_root:
         comm._scratch_done(kind, device)
         return None

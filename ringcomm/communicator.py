@@ -197,7 +197,7 @@ class Communicator:
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
 
-    def _scratch_array(self, kind: str, device: Any, count: int, dtype: np.dtype) -> Any:
+    def _scratch_array(self, kind: Any, device: Any, count: int, dtype: np.dtype) -> Any:
         """A scratch array of ``count`` elements over one reused buffer per ``kind`` (grown when
         needed), ordered after its use by the previous call; call :meth:`_scratch_done` after the
         call's last use of it."""
@@ -206,7 +206,7 @@ class Communicator:
             reused = self._scratch[kind] = devices.Reused()
         return reused.take(device, count * np.dtype(dtype).itemsize).view(dtype)
 
-    def _scratch_done(self, kind: str, device: Any) -> None:
+    def _scratch_done(self, kind: Any, device: Any) -> None:
         self._scratch[kind].done(device)
 
     def _usable(self) -> None:
@@ -314,12 +314,24 @@ class Communicator:
         self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, work: Any, src: Any, result_chunks: Any = (),
         root: int = -1, agreed: bool = False,
     ) -> None:
-        """Run one collective's schedule through the engine. ``count``: the user's element count."""
+        """Run one collective's schedule through the engine. ``count``: the user's element count.
+
+        With ``ctx.wide`` (accumulate="float32" on a half type) the partial sums live in
+        :meth:`_partial_sums` (``ctx.acc``) for the call."""
         transport = self._transport(kind)
+        if ctx.wide:
+            ctx.acc = self._partial_sums(kind, ctx.device, count)
         self._launch(
             ctx, count, root, agreed, "ring", transport, len(steps),
             lambda: execute(ctx, steps, bounds, work, src, transport, result_chunks),
         )
+        if ctx.wide:
+            self._scratch_done((kind, "partial sums"), ctx.device)
+
+    def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
+        """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;
+        call ``_scratch_done((kind, "partial sums"), device)`` after the call's last use."""
+        return self._scratch_array((kind, "partial sums"), device, count, np.dtype(np.float32))
 
     def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any]:
         """The cached (Plan, Fold, Reused) of a small all-reduce of ``count`` elements: the plan

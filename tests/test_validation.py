@@ -8,6 +8,7 @@ from conftest import make_comm
 from mpi4py import MPI
 
 import ringcomm
+from ringcomm.devices import HostDevice
 from ringcomm import ReduceOp
 from ringcomm.ops import parse_op
 
@@ -104,7 +105,7 @@ def test_host_and_gpu_arrays_do_not_mix(comm, monkeypatch):
     # with CuPy, a GPU out beside a numpy x (and the reverse) is refused before any communication
     monkeypatch.setattr(collectives, "classify", lambda a, name, stream=None: ("cuda", np.ones(4, np.float32)))
     with pytest.raises(TypeError, match="the input is a host array but out is a cuda array; use one kind for both"):
-        collectives._output(FakeCudaArray(4), "host", np.dtype(np.float32), 4)
+        collectives._output(FakeCudaArray(4), "host", np.dtype(np.float32), 4, HostDevice())
 
 
 def test_shard_bounds(comm):

@@ -117,7 +117,9 @@ def cancel(recvs: Sequence[MPI.Request], sends: Sequence[MPI.Request] = ()) -> N
                 req.Test()
             except MPI.Exception:
                 pass
-    _abandoned.extend(req for req in sends if req != MPI.REQUEST_NULL)
+    for req in sends:
+        if req != MPI.REQUEST_NULL:
+            abandon(req)
 
 
 def slices(count: int, per_slice: int) -> list[tuple[int, int]]:

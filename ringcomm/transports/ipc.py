@@ -134,6 +134,11 @@ _mapped: collections.OrderedDict[bytes, _Mapping] = collections.OrderedDict()
 _mapped_lock = threading.Lock()
 
 
+def _words(handle: bytes) -> np.ndarray:
+    """A handle (64 bytes, padded) as the 8 int64 words it takes in a message."""
+    return np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+
+
 def _get_driver() -> _Driver:
     global _driver
     if _driver is None:
@@ -280,7 +285,7 @@ class IpcTransport:
     def _fill(self, slot: int, handle: bytes, offset: int, nbytes: int, alloc: int) -> None:
         row = self._desc_out[slot]
         row[0], row[1], row[2], row[3] = _VALID, offset, nbytes, alloc
-        row[4:] = np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+        row[4:] = _words(handle)
 
     def _fill_releases(self, closing: bool) -> None:
         """The outgoing "released" message: handles of the left's memory this rank closed since
@@ -290,7 +295,7 @@ class IpcTransport:
         out[:] = 0
         out[0], out[1] = len(sent), int(closing)
         for i, handle in enumerate(sent):
-            out[2 + 8 * i: 10 + 8 * i] = np.frombuffer(handle.ljust(64, b"\0")[:64], np.int64)
+            out[2 + 8 * i: 10 + 8 * i] = _words(handle)
 
     def _unpin_released(self, keep: set[bytes] = frozenset()) -> None:
         """Drop the pins of the allocations the right reports it no longer maps (all of them when
