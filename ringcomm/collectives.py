@@ -74,12 +74,13 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
             raise ValueError("out partly overlaps x; pass out=None (in place) or a separate array")
         if rel == "same":
             work = src
-    n, r, count = comm.size, comm.rank, src.size
+    n, r, count = comm.size, comm.position, src.size
     ctx = Context("all_reduce", comm, device, src.dtype, op)
     ctx.wide = wide
     if 1 < n and src.nbytes <= comm.small_bytes:
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
-        # then fold the N blocks locally in the ring's order (bitwise the ring's result).
+        # then fold the N blocks locally in the ring's order (bitwise the ring's result). Block p
+        # is the data of the rank at ring place p.
         plan, fold, reused = comm._gather_plan(ctx, kind, count)
         if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
             reused.after(device)
@@ -94,7 +95,8 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
             reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
-        comm._run(ctx, kind, count, steps, schedule.partition(count, n), work, src, result_chunks=range(n))
+        comm._run(ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src,
+                  result_chunks=range(n))
     return x if out is None else out
 
 
@@ -110,8 +112,8 @@ def reduce_scatter(
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     ctx.wide = wide
     work = comm._scratch_array(kind, device, src.size, src.dtype)
-    steps = schedule.reduce_scatter(comm.size, comm.rank)
-    comm._run(ctx, kind, src.size, steps, bounds, work, src, result_chunks=[comm.rank])
+    steps = schedule.reduce_scatter(comm.size, comm.position)  # place p ends with chunk p: its own shard
+    comm._run(ctx, kind, src.size, steps, comm._in_ring(bounds), work, src, result_chunks=[comm.position])
     device.copy(result, work[lo:hi])
     comm._scratch_done(kind, device)
     return out if out is not None else result
@@ -144,7 +146,8 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         lo, hi = bounds[r]
     if relation(work[lo:hi], src) != "same":
         device.copy(work[lo:hi], src)
-    comm._run(ctx, kind, work.size, schedule.all_gather(n, r), bounds, work, work, agreed=agreed)
+    steps = schedule.all_gather(n, comm.position)
+    comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
     return out if out is not None else work
 
 
@@ -156,7 +159,7 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     n = comm.size
     nchunks = schedule.chain_chunks(n, buf.size, buf.itemsize, comm.slice_bytes)
     ctx = Context("broadcast", comm, device, buf.dtype, None)
-    steps = schedule.broadcast(n, comm.rank, root, nchunks)
+    steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
     comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
     return x
 
@@ -183,7 +186,7 @@ def reduce(
     nchunks = schedule.chain_chunks(n, src.size, src.itemsize, comm.slice_bytes)
     ctx = Context("reduce", comm, device, src.dtype, op)
     ctx.wide = wide
-    steps = schedule.reduce(n, comm.rank, root, nchunks)
+    steps = schedule.reduce(n, comm.position, comm.ring.index(root), nchunks)
     result = range(nchunks) if is_root else ()
     comm._run(
         ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root

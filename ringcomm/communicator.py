@@ -33,8 +33,12 @@ _OPS = (None,) + tuple(ReduceOp)
 class Communicator:
     """A ring over the ranks of an mpi4py intracommunicator.
 
-    Rank r sends to ``right`` = (r + 1) % size and receives from ``left`` = (r - 1) % size. The
-    wrapped communicator is duplicated, so ringcomm's messages never mix with the caller's.
+    The ring follows the topology: ``ring`` is the tuple of MPI ranks in ring order, each node's
+    ranks adjacent (in MPI order; one node: MPI order), so the ring leaves a node once. A rank
+    receives from ``left`` and sends to ``right``, its neighbours in it (MPI ranks). Results keep
+    MPI rank order (shards, roots). Nodes come from MPI's shared-memory split, or from
+    ``RINGCOMM_NODES`` (one label per rank, comma-separated, in MPI rank order). The wrapped
+    communicator is duplicated, so ringcomm's messages never mix with the caller's.
 
     ``timeout``: seconds any one wait (for a neighbour's message, an agreement, a barrier, or the
     communicator's own creation) may last before :class:`ringcomm.TimeoutError` (env
@@ -74,17 +78,33 @@ class Communicator:
         dup, request = mpi_comm.Idup()
         wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
         self.mpi: MPI.Intracomm = dup
-        self.left = (self.rank - 1) % self.size
-        self.right = (self.rank + 1) % self.size
-        #: the ranks that share this rank's node (MPI's shared-memory split), for transport choice
-        self.node_comm: MPI.Intracomm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        self.left = (self.rank - 1) % self.size  # (named by set-up waits until the ring is known)
+        self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
+        labels = env("RINGCOMM_NODES", lambda raw: _node_labels(raw, self.size), None)
+        if labels is None:  # MPI's shared-memory split: a node is named by its lowest rank
+            #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
+            self.node_comm: MPI.Intracomm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+            lowest = MPI.Group.Translate_ranks(self.node_comm.Get_group(), [0], self.mpi.Get_group())[0]
+            leaders = self._allgather_ints(setup, [lowest], "finding every rank's node")[:, 0]
+            labels = tuple(f"node{int(r)}" for r in leaders)
+        else:
+            self.node_comm = self.mpi.Split(sorted(set(labels)).index(labels[self.rank]), self.rank)
+        #: the node label of every rank, in MPI rank order (RINGCOMM_NODES, or "node<lowest rank>")
+        self.nodes: tuple[str, ...] = labels
+        #: the MPI ranks in ring order: each node's ranks adjacent, in MPI order (schedule.ring_order)
+        self.ring: tuple[int, ...] = schedule.ring_order(labels)
+        #: this rank's place in the ring; the schedule runs on places (chunk p: rank ring[p]'s shard)
+        self.position = self.ring.index(self.rank)
+        #: the MPI ranks this rank receives from and sends to
+        self.left = self.ring[(self.position - 1) % self.size]
+        self.right = self.ring[(self.position + 1) % self.size]
         self.single_node: bool = self.node_comm.size == self.size
+        self._ring_is_identity = self.ring == tuple(range(self.size))
         #: payload bytes this rank has sent in collectives (not counting metadata or checks)
         self.bytes_sent = 0
         self._seq = 0
         #: collectives started (every rank counts alike): the call number in message tags
         self._calls = 0
-        self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
         self._aborted: str | None = None
         self._abort_sent: list = []  # (message, request) of the abort messages sent to the neighbours
         self._probe = MPI.Status()
@@ -158,8 +178,16 @@ class Communicator:
         return list(partition(int(count), self.size))
 
     def transport_name(self, array: Any) -> str:
-        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", ...)."""
+        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", "staged"),
+        or "mixed" when the ring's edges use different ones (as this rank knows them: an edge whose
+        IPC set-up failed elsewhere may have turned to staging). The first call for GPU arrays is
+        collective (the ranks exchange what their GPUs can reach), as a first collective is."""
         return self._transport(collectives.classify(array, "array")[0]).name
+
+    def edge_transport(self, array: Any) -> str:
+        """The name of the transport on this rank's receiving edge (``left`` -> this rank) for
+        arrays like ``array``; collective on its first call for GPU arrays, as transport_name."""
+        return self._transport(collectives.classify(array, "array")[0]).recv.name
 
     def close(self) -> None:
         """Free the communicator's MPI resources (collective, like MPI_Comm_free); later calls raise.
@@ -169,8 +197,8 @@ class Communicator:
         if self._aborted == _CLOSED:
             return
         self._free_plans()
-        for transport in self._transports.values():
-            transport.close()
+        for link in self._transports.values():
+            link.close()
         self._transports.clear()
         for reused in self._scratch.values():
             reused.free()
@@ -190,12 +218,19 @@ class Communicator:
 
     # ------------------------------------------------------------------ used by collectives
     def _transport(self, kind: str) -> Any:
-        if kind not in self._transports:
-            self._transports[kind] = transports.select(self, kind)
-        return self._transports[kind]
+        """This rank's transports.Link for arrays of ``kind`` (made on first use; collective then
+        for GPU arrays)."""
+        link = self._transports.get(kind)
+        if link is None:
+            link = self._transports[kind] = self._guarded(lambda: transports.select(self, kind))
+        return link
 
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
+
+    def _in_ring(self, bounds: Bounds) -> Bounds:
+        """``bounds`` by MPI rank (shards) as the schedule's chunks by ring place."""
+        return bounds if self._ring_is_identity else schedule.in_ring_order(bounds, self.ring)
 
     def _scratch_array(self, kind: Any, device: Any, count: int, dtype: np.dtype) -> Any:
         """A scratch array of ``count`` elements over one reused buffer per ``kind`` (grown when
@@ -295,19 +330,25 @@ class Communicator:
             [self._seq, _KINDS.index(kind), count, tags.dtype_code(ctx.dtype, ctx.wide), _OPS.index(ctx.op), root, extra],
             np.int64,
         )
-        table = np.empty((self.size, mine.size), np.int64)
-        request = self.mpi.Iallgather(mine, table)
-        try:
-            wait([request], ctx, None, self.left, "argument agreement")
-        except BaseException:  # a late peer may still complete it: its buffers must outlive this call
-            abandon(request, mine, table)
-            raise
+        table = self._allgather_ints(ctx, mine, "argument agreement")
         names = ("call number", "collective", "count", "dtype", "op", "root")
         show = (int, lambda i: _KINDS[i], int, tags.dtype_name, lambda i: _OPS[i], int)
         for j, (name, fmt) in enumerate(zip(names, show)):
             if (table[:, j] != table[0, j]).any():
                 values = ", ".join(f"rank {r}: {fmt(int(v))}" for r, v in enumerate(table[:, j]))
                 raise MismatchError(f"{ctx.collective}: ranks disagree on the {name} ({values})")
+        return table
+
+    def _allgather_ints(self, ctx: Context, mine: Any, what: str) -> np.ndarray:
+        """Every rank's int64 values ``mine`` (one row per rank), under the deadline."""
+        mine = np.ascontiguousarray(mine, np.int64)
+        table = np.empty((self.size, mine.size), np.int64)
+        request = self.mpi.Iallgather(mine, table)
+        try:
+            wait([request], ctx, None, self.left, what)
+        except BaseException:  # a late peer may still complete it: its buffers must outlive this call
+            abandon(request, mine, table)
+            raise
         return table
 
     def _run(
@@ -318,12 +359,12 @@ class Communicator:
 
         With ``ctx.wide`` (accumulate="float32" on a half type) the partial sums live in
         :meth:`_partial_sums` (``ctx.acc``) for the call."""
-        transport = self._transport(kind)
+        link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
         self._launch(
-            ctx, count, root, agreed, "ring", transport, len(steps),
-            lambda: execute(ctx, steps, bounds, work, src, transport, result_chunks),
+            ctx, count, root, agreed, "ring", link, len(steps),
+            lambda: execute(ctx, steps, bounds, work, src, link, result_chunks),
         )
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
@@ -354,12 +395,14 @@ class Communicator:
             else:
                 reused = devices.Reused()
                 blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
-            plan = Plan(ctx, schedule.all_gather(n, self.rank), schedule.blocks(count, n), blocks, self._transport(kind))
-            cached = self._plans[key] = (plan, Fold(blocks, count, schedule.partition(count, n), n), reused)
+            steps = schedule.all_gather(n, self.position)
+            plan = Plan(ctx, steps, schedule.blocks(count, n), blocks, self._transport(kind))
+            fold = Fold(blocks, count, self._in_ring(schedule.partition(count, n)), n)
+            cached = self._plans[key] = (plan, fold, reused)
         return cached
 
     def _run_plan(self, ctx: Context, count: int, plan: Any) -> None:
-        self._launch(ctx, count, -1, False, "gather-fold", plan.transport, len(plan.steps), lambda: plan.run(ctx))
+        self._launch(ctx, count, -1, False, "gather-fold", plan.link, len(plan.steps), lambda: plan.run(ctx))
 
     def _free_plans(self) -> None:
         for plan, _, reused in self._plans.values():
@@ -369,7 +412,7 @@ class Communicator:
         self._plans.clear()
 
     def _launch(
-        self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, transport: Any, nsteps: int, run: Any
+        self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, link: Any, nsteps: int, run: Any
     ) -> None:
         """The agreement check (if enabled and not ``agreed`` already), the call's identity (its
         number and message tag), the DEBUG log line, then ``run()`` (which returns the payload
@@ -380,9 +423,9 @@ class Communicator:
         ctx.call, ctx.root = self._calls, root
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s: rank %d/%d call %d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d",
-                ctx.collective, self.rank, self.size, ctx.call, count, ctx.dtype, ctx.op, algorithm, transport.name,
-                ctx.device.name, nsteps,
+                "%s: rank %d/%d call %d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d ring=%s",
+                ctx.collective, self.rank, self.size, ctx.call, count, ctx.dtype, ctx.op, algorithm, link.name,
+                ctx.device.name, nsteps, link.describe(),
             )
         try:
             self.bytes_sent += run()
@@ -395,6 +438,16 @@ class Communicator:
         except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
             self._abort(e)
             raise
+
+def _node_labels(raw: str, size: int) -> tuple[str, ...]:
+    """RINGCOMM_NODES: one non-empty label per rank, comma-separated (e.g. "a,b,a,b")."""
+    labels = tuple(label.strip() for label in raw.split(","))
+    if len(labels) != size:
+        raise ValueError(f"needs one node label per rank ({size}), comma-separated; got {len(labels)}")
+    if not all(labels):
+        raise ValueError("a node label is empty")
+    return labels
+
 
 def init(**options: Any) -> Communicator:
     """A Communicator over mpi4py's COMM_WORLD (MPI is initialised by importing mpi4py.MPI).

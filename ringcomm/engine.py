@@ -57,13 +57,15 @@ def execute(
     bounds: Bounds,
     work: Any,
     src: Any,
-    transport: Any,
+    link: Any,
     result_chunks: Iterable[int] = (),
 ) -> int:
     """Run ``steps`` for this rank; return the number of payload bytes this rank sent.
 
-    ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is copied
-    from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
+    ``link``: this rank's receiving half (``link.recv``, the edge from the left) and sending half
+    (``link.send``, the edge to the right); ringcomm.transports. ``bounds``: the chunks by ring
+    place. ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is
+    copied from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
 
     With ``ctx.acc`` (accumulate="float32" on a half type) a chunk that is not final travels in
     float32: this rank's own data is widened into ``acc`` when first sent, a reduce step that is
@@ -72,13 +74,15 @@ def execute(
     Final chunks (the all-gather phase) travel in the array's dtype.
     """
     op, device, acc = ctx.op or ReduceOp.SUM, ctx.device, ctx.acc
+    receiver, sender = link.recv, link.send
     n = ctx.comm.size
     written = [work is src] * len(bounds)
     partial = [False] * len(bounds)  # with acc: the chunk's value is a float32 partial in acc
     final = [False] * len(bounds)  # with acc: the chunk holds the call's result in work
     sent = 0
-    transport.begin(ctx, work, src, bounds)
     try:
+        sender.begin(ctx, work, src, bounds)
+        receiver.begin(ctx, work, src, bounds)
         for st in steps:
             send = None
             if st.send is not None:
@@ -90,35 +94,39 @@ def execute(
                     send = acc[lo:hi]
                 sent += send.nbytes
             if st.recv is None:
-                transport.post(st, send, 0, None, ctx.dtype)
+                sender.post(st, send, False)
             else:
                 lo, hi = bounds[st.recv]
                 dst = work[lo:hi]
                 wire = acc.dtype if acc is not None and st.reduce else ctx.dtype
-                transport.post(st, send, hi - lo, None if st.reduce else dst, wire)
+                receiver.post(st, hi - lo, None if st.reduce else dst, wire)
+                sender.post(st, send, True)
                 if st.reduce:
                     local = dst if written[st.recv] else src[lo:hi]
                     div = n if st.final and op is ReduceOp.AVG else 1
                     if acc is None:
-                        for a, b, incoming in transport.recv(st):
+                        for a, b, incoming in receiver.recv(st, sender):
                             device.reduce(dst[a:b], local[a:b], incoming, op, div)
                     elif st.final:
-                        for a, b, incoming in transport.recv(st):
+                        for a, b, incoming in receiver.recv(st, sender):
                             device.reduce_acc_final(dst[a:b], local[a:b], incoming, op, div)
                     else:
-                        for a, b, incoming in transport.recv(st):
+                        for a, b, incoming in receiver.recv(st, sender):
                             device.reduce_acc(acc[lo + a : lo + b], local[a:b], incoming, op)
                         partial[st.recv] = True
                 else:
-                    for a, b, incoming in transport.recv(st):
+                    for a, b, incoming in receiver.recv(st, sender):
                         if incoming is not None:
                             device.copy(dst[a:b], incoming)
                 if acc is None or not st.reduce or st.final:
                     written[st.recv] = final[st.recv] = True
-            transport.step_done(st)
-        transport.end()
+                receiver.step_done(st)
+            sender.step_done(st)
+        sender.end()
+        receiver.end()
     except BaseException:
-        transport.abort()
+        sender.abort()
+        receiver.abort()
         raise
     for c in result_chunks:
         if not written[c]:
@@ -130,7 +138,7 @@ def execute(
 class Plan:
     """A copy-only schedule (an all-gather) bound once to a buffer of its own, run many times.
 
-    When the transport can prepare a step (``transport.prepare``: the MPI transport makes persistent
+    When the link can prepare a step (``link.prepare``: MPI halves on host memory make persistent
     requests, MPI_Send_init/Recv_init), a run restarts them with no set-up at all; otherwise a run
     is the engine's loop, :func:`execute`. Used where latency is everything: small all-reduces.
 
@@ -140,22 +148,22 @@ class Plan:
     neighbours' messages.
     """
 
-    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, transport: Any) -> None:
+    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, link: Any) -> None:
         if any(st.reduce for st in steps):
             raise ValueError("a Plan runs copy steps only")
-        self.steps, self.bounds, self.buf, self.transport = steps, bounds, buf, transport
+        self.steps, self.bounds, self.buf, self.link = steps, bounds, buf, link
         self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
-        self._prepare = getattr(transport, "prepare", None)
+        self._prepare = link.prepare
         self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4, op
 
     def run(self, ctx: Context) -> int:
         """Run the steps; return the payload bytes this rank sent."""
         if self._prepare is None:
-            return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.transport)
+            return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.link)
         prepared = self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide))
         if prepared is None:
             prepared = self._make(ctx)
-            if prepared is None:  # this transport cannot prepare these buffers: the engine's loop
+            if prepared is None:  # this link cannot prepare these buffers: the engine's loop
                 return self.run(ctx)
         for st, step in zip(self.steps, prepared):
             step.run(ctx, st)

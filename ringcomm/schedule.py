@@ -5,7 +5,10 @@ A buffer of ``count`` elements is cut into chunks (:func:`partition`). Each coll
 from its left neighbour, and whether the incoming chunk is reduced into the local one or copied.
 The engine executes these lists; a transport never decides which chunk moves.
 
-Ring order is rank order: rank r sends to (r + 1) % N and receives from (r - 1) % N.
+Steps are by ring place: the rank at place r sends to place (r + 1) % N and receives from place
+(r - 1) % N. Places follow the topology (:func:`ring_order`: each node's ranks adjacent), and the
+collectives give chunk p the shard of the rank at place p (:func:`in_ring_order`), so results keep
+MPI rank order. With one node, place and MPI rank are the same.
 
 - reduce-scatter (N-1 steps): at step s rank r sends chunk (r - s - 1) % N and reduces the chunk
   (r - s - 2) % N that arrives from the left. After the last step rank r holds chunk r fully reduced.
@@ -16,7 +19,8 @@ Ring order is rank order: rank r sends to (r + 1) % N and receives from (r - 1) 
 - reduce: the same chain in reverse role, ending at the root: root+1 sends its own pieces, every
   later rank reduces what arrives with its own data and forwards the partial result.
 
-Run ``python -m ringcomm.schedule --ranks 5 --collective all_reduce`` to print a schedule.
+Run ``python -m ringcomm.schedule --ranks 5 --collective all_reduce`` to print a schedule, and
+``python -m ringcomm.schedule --nodes a,b,a,b`` to print the ring of a node layout.
 """
 
 from __future__ import annotations
@@ -140,6 +144,38 @@ def fold_order(n: int, chunk: int) -> tuple[int, ...]:
     return tuple((chunk + k) % n for k in range(1, n + 1))
 
 
+def ring_order(nodes: Sequence[str]) -> tuple[int, ...]:
+    """The ranks in ring order for ``nodes`` (one node label per rank, in MPI rank order).
+
+    Each node's ranks stand together, in MPI rank order, and nodes follow the order of their
+    lowest rank, so the ring crosses each node boundary once, whatever the launcher's placement
+    (block or round-robin). One node: MPI rank order.
+    """
+    first: dict[str, int] = {}
+    for r, label in enumerate(nodes):
+        first.setdefault(label, r)
+    return tuple(sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r)))
+
+
+def in_ring_order(bounds: Sequence[tuple[int, int]], ring: Sequence[int]) -> Bounds:
+    """Per-rank ``bounds`` (MPI rank order) as chunks by ring place: chunk p is rank ring[p]'s."""
+    return tuple(bounds[r] for r in ring)
+
+
+def format_ring(nodes: Sequence[str]) -> str:
+    """The ring of a node layout, for people: the order, and which edges leave a node."""
+    ring = ring_order(nodes)
+    n = len(ring)
+    lines = [f"ring for nodes {','.join(nodes)}: " + " -> ".join(str(r) for r in ring) + f" -> ({ring[0]})"]
+    for p in range(n):
+        a, b = ring[p - 1], ring[p]
+        where = f"inside node {nodes[b]}" if nodes[a] == nodes[b] else f"node {nodes[a]} -> node {nodes[b]}"
+        lines.append(f"  edge {a} -> {b}: {where}")
+    crossings = sum(nodes[ring[p - 1]] != nodes[ring[p]] for p in range(n))
+    lines.append(f"{crossings} of {n} edges leave a node")
+    return "\n".join(lines)
+
+
 def chain_chunks(n: int, count: int, itemsize: int, piece_bytes: int) -> int:
     """Number of pipeline pieces for broadcast/reduce: at least N, about ``piece_bytes`` each, at most 8N."""
     want = -(-count * itemsize // max(1, piece_bytes))
@@ -229,7 +265,7 @@ def format_table(collective: str, n: int, root: int = 0, nchunks: int | None = N
             cells.append(f"{send} {recv}".rstrip())
         rows.append([str(k), per_rank[0][k].phase] + cells)
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = [f"{collective} on a ring of {n} ranks (rank r sends to r+1, receives from r-1)"]
+    lines = [f"{collective} on a ring of {n} ranks (place r sends to r+1, receives from r-1)"]
     lines.append("sK = sends chunk K right; rK+ = receives chunk K from the left and reduces it in; rK= = copies it in")
     for row in [head] + rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -245,7 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", type=int, default=0, help="root rank for broadcast/reduce")
     ap.add_argument("--chunks", type=int, default=None, help="pipeline pieces for broadcast/reduce (default N)")
     ap.add_argument("--count", type=int, default=None, help="also print the partition of COUNT elements")
+    ap.add_argument("--nodes", default=None, help="print the ring of a node layout instead: one label per rank, "
+                    "comma-separated, as RINGCOMM_NODES (e.g. a,b,a,b)")
     a = ap.parse_args(argv)
+    if a.nodes is not None:
+        labels = [x.strip() for x in a.nodes.split(",")]
+        if not all(labels):
+            ap.error("--nodes: a node label is empty")
+        print(format_ring(labels))
+        return 0
     if a.ranks < 1 or not 0 <= a.root < a.ranks:
         ap.error(f"need --ranks >= 1 and 0 <= --root < --ranks; got {a.ranks}, {a.root}")
     print(format_table(a.collective, a.ranks, a.root, a.chunks))

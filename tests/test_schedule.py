@@ -107,7 +107,7 @@ def test_printed_table(capsys):
     assert schedule.main(["--ranks", "5", "--collective", "all_reduce", "--count", "100"]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
-    assert lines[0] == "all_reduce on a ring of 5 ranks (rank r sends to r+1, receives from r-1)"
+    assert lines[0] == "all_reduce on a ring of 5 ranks (place r sends to r+1, receives from r-1)"
     assert lines[2].split() == ["step", "phase", "rank", "0", "rank", "1", "rank", "2", "rank", "3", "rank", "4"]
     assert lines[3].split() == ["0", "reduce-scatter", "s4", "r3+", "s0", "r4+", "s1", "r0+", "s2", "r1+", "s3", "r2+"]
     assert lines[7].split() == ["4", "all-gather", "s0", "r4=", "s1", "r0=", "s2", "r1=", "s3", "r2=", "s4", "r3="]
@@ -125,3 +125,55 @@ def test_fold_order_is_the_order_reduce_scatter_combines_each_chunk(n):
         first = [r for r in range(n) if steps[r] and steps[r][0].send == c]
         reducers = [r for s in range(n - 1) for r in range(n) if steps[r][s].recv == c]
         assert list(order) == first + reducers if n > 1 else order == (0,)
+
+
+@pytest.mark.parametrize(
+    "nodes, ring",
+    [
+        ("a,a,b,b", (0, 1, 2, 3)),
+        ("a,b,a,b", (0, 2, 1, 3)),
+        ("a,b,c", (0, 1, 2)),
+        ("a,a,a,b,b", (0, 1, 2, 3, 4)),
+        ("b,a,b,a,b", (0, 2, 4, 1, 3)),
+        ("x", (0,)),
+    ],
+)
+def test_ring_order_groups_each_node_once(nodes, ring):
+    labels = nodes.split(",")
+    assert schedule.ring_order(labels) == ring
+    # every node's ranks are one run of the ring, in MPI order, so the ring leaves each node once
+    runs = [labels[r] for i, r in enumerate(ring) if i == 0 or labels[ring[i - 1]] != labels[r]]
+    assert len(runs) == len(set(labels))
+    for label in set(labels):
+        mine = [r for r in ring if labels[r] == label]
+        assert mine == sorted(mine)
+
+
+@given(st.lists(st.sampled_from("abcd"), min_size=1, max_size=12))
+def test_ring_order_is_a_permutation_crossing_each_boundary_once(labels):
+    ring = schedule.ring_order(labels)
+    assert sorted(ring) == list(range(len(labels)))
+    crossings = sum(labels[ring[p - 1]] != labels[ring[p]] for p in range(len(ring)))
+    nodes = len(set(labels))
+    assert crossings == (nodes if nodes > 1 else 0)
+    if nodes == 1:
+        assert ring == tuple(range(len(labels)))
+
+
+def test_in_ring_order_gives_place_p_the_shard_of_rank_ring_p():
+    bounds = partition(100, 4)
+    ring = (0, 2, 1, 3)
+    chunks = schedule.in_ring_order(bounds, ring)
+    assert chunks == (bounds[0], bounds[2], bounds[1], bounds[3])
+    # the reduce-scatter schedule ends place p with chunk p: rank ring[p] with its own shard
+    for p, r in enumerate(ring):
+        assert chunks[schedule.reduce_scatter(4, p)[-1].recv] == bounds[r]
+
+
+def test_printed_ring(capsys):
+    assert schedule.main(["--nodes", "a,b,a,b"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ring for nodes a,b,a,b: 0 -> 2 -> 1 -> 3 -> (0)"
+    assert "  edge 0 -> 2: inside node a" in out
+    assert "  edge 2 -> 1: node a -> node b" in out
+    assert out[-1] == "2 of 4 edges leave a node"

@@ -1,21 +1,17 @@
-"""Which transport GPU arrays get (no GPU needed): the automatic choice, RINGCOMM_TRANSPORT, the
-CUDA-aware-MPI probe and its override, and the IPC transport's collective fallback decision."""
+"""Which transport each edge of the ring gets for GPU arrays (no GPU needed): the rule on the
+ranks' records, RINGCOMM_TRANSPORT, and the CUDA-aware-MPI probe and its override."""
 
 from __future__ import annotations
-
-import logging
-import types
 
 import pytest
 
 from ringcomm import transports
-from ringcomm.transports import ipc, staged
-from ringcomm.transports.mpi import MpiTransport
+from ringcomm.errors import MismatchError
+from ringcomm.transports import staged
 
 
-def stub(single_node: bool, size: int = 2):
-    return types.SimpleNamespace(rank=0, size=size, left=size - 1, right=1 % size, single_node=single_node,
-                                 slice_bytes=1 << 20, mpi=None, timeout=5.0)
+def rec(node=0, gpu=0, peers=(), aware=False, forced=""):
+    return transports.PeerRecord(node, gpu, frozenset(peers), aware, forced)
 
 
 @pytest.fixture(autouse=True)
@@ -24,33 +20,63 @@ def clean_env(monkeypatch):
     monkeypatch.delenv("RINGCOMM_CUDA_AWARE_MPI", raising=False)
 
 
-def test_automatic_choice(monkeypatch, caplog):
-    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
-        assert isinstance(transports.select(stub(True), "cuda"), ipc.IpcTransport)
-    assert any("cuda transport" in r.getMessage() and ": ipc" in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "0")
-    assert isinstance(transports.select(stub(False), "cuda"), staged.StagedTransport)
-    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "1")
-    t = transports.select(stub(False), "cuda")
-    assert isinstance(t, MpiTransport) and t.name == "mpi"
-    assert isinstance(transports.select(stub(True, size=1), "cuda"), ipc.IpcTransport)
-    assert isinstance(transports.select(stub(True), "host"), MpiTransport)
+def test_edge_kind_automatic_choice():
+    kind = transports.edge_kind
+    assert kind(rec(gpu=1), rec(gpu=1), "") == "ipc"  # one GPU shared by two ranks
+    assert kind(rec(gpu=1), rec(gpu=2, peers={1}), "") == "ipc"  # the receiver reads the sender's GPU
+    assert kind(rec(gpu=1), rec(gpu=2), "") == "staged"  # no peer access: through host memory
+    assert kind(rec(gpu=1, peers={2}), rec(gpu=2), "") == "staged"  # the receiver is the one that reads
+    assert kind(rec(gpu=1, aware=True), rec(gpu=2, aware=True), "") == "mpi"
+    assert kind(rec(node=0, gpu=1), rec(node=1, gpu=1, peers={1}), "") == "staged"  # other node, same bus id
+    assert kind(rec(node=0, aware=True), rec(node=1, aware=True), "") == "mpi"
+    assert kind(rec(node=0, aware=True), rec(node=1, aware=False), "") == "staged"
 
 
-def test_environment_overrides(monkeypatch):
-    monkeypatch.setenv("RINGCOMM_TRANSPORT", "staged")
-    assert isinstance(transports.select(stub(True), "cuda"), staged.StagedTransport)
-    monkeypatch.setenv("RINGCOMM_TRANSPORT", "ipc")
-    assert isinstance(transports.select(stub(False), "cuda"), ipc.IpcTransport)
-    monkeypatch.setenv("RINGCOMM_TRANSPORT", "mpi")
-    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "0")
+def test_edge_kind_forced():
+    kind = transports.edge_kind
+    assert kind(rec(), rec(), "staged") == "staged"
+    assert kind(rec(), rec(), "ipc") == "ipc"
+    assert kind(rec(node=0), rec(node=1), "ipc") == "staged"  # ipc only where it can serve
+    assert kind(rec(node=0, aware=True), rec(node=1, aware=True), "ipc") == "mpi"
+    assert kind(rec(aware=True), rec(aware=True), "mpi") == "mpi"
     with pytest.raises(ValueError, match="CUDA-aware"):
-        transports.select(stub(True), "cuda")
-    monkeypatch.setenv("RINGCOMM_CUDA_AWARE_MPI", "1")
-    assert isinstance(transports.select(stub(True), "cuda"), MpiTransport)
+        kind(rec(aware=True), rec(aware=False), "mpi")
+
+
+def test_choose_edges_two_nodes_of_two_gpus():
+    # ranks 0..3 on nodes a,b,a,b; on each node two GPUs that can access each other
+    records = [rec(node=i % 2, gpu=10 + i // 2, peers={10, 11} - {10 + i // 2}) for i in range(4)]
+    ring = (0, 2, 1, 3)
+    edges = transports.choose_edges(records, ring)
+    # edge p is ring[p-1] -> ring[p]: 3 -> 0 leaves node b, 0 -> 2 inside a, 2 -> 1 leaves a, 1 -> 3 inside b
+    assert edges == ("staged", "ipc", "staged", "ipc")
+    assert transports.describe_edges(ring, edges) == "0 -ipc-> 2 -staged-> 1 -ipc-> 3 -staged-> (0)"
+    no_peer = [rec(node=i % 2, gpu=10 + i // 2) for i in range(4)]
+    assert transports.choose_edges(no_peer, ring) == ("staged",) * 4
+    assert transports.choose_edges([rec()], (0,)) == ("ipc",)
+
+
+def test_ranks_must_agree_on_the_forced_transport():
+    with pytest.raises(MismatchError, match="RINGCOMM_TRANSPORT.*rank 1: staged"):
+        transports.choose_edges([rec(), rec(forced="staged")], (0, 1))
+
+
+def test_peer_record_words_round_trip_and_bus_ids():
+    r = rec(node=3, gpu=transports.bus_id("0000:1b:00.0"), peers={5, 7}, aware=True, forced="ipc")
+    assert transports.PeerRecord.from_words(r.words()) == r
+    assert transports.PeerRecord.from_words(rec().words()) == rec()
+    assert transports.bus_id("0000:00:00.0") == 0
+    assert transports.bus_id("0001:0a:1f.3") == (1 << 24) | (0x0A << 16) | (0x1F << 8) | 3
+    assert transports.bus_id("0000:0a:00.0") != transports.bus_id("0000:0b:00.0")
+
+
+def test_environment_override_names(monkeypatch):
+    assert transports.override() == ""
+    monkeypatch.setenv("RINGCOMM_TRANSPORT", "Staged")
+    assert transports.override() == "staged"
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "nccl")
     with pytest.raises(ValueError, match="RINGCOMM_TRANSPORT"):
-        transports.select(stub(True), "cuda")
+        transports.override()
 
 
 def test_cuda_aware_probe(monkeypatch):

@@ -24,16 +24,21 @@ Lifetime of exported memory: CUDA leaves freeing an allocation that another proc
 undefined, and CuPy's pool frees cached blocks on its own (``free_all_blocks()``, and before
 retrying an allocation that ran out of memory). So every allocation a rank exports stays pinned
 (a reference to the array it was exported for keeps the pool from freeing it) until its right
-neighbour reports the mapping closed: at every collective's start the right sends the handles it
-closed since the last one (mappings evicted from its cache beyond MAX_MAPPINGS, least recently
+neighbour reports the mapping closed: in its reply to every collective's handles the right lists
+those it closed since the last one (mappings evicted from its cache beyond MAX_MAPPINGS, least recently
 used first), and at ``close()`` it closes all of them and says so before its left drops any pin.
 This holds device memory: at most MAX_MAPPINGS allocations per neighbour that the user has
 already dropped, until they are evicted or the communicator is closed.
 
-Set-up failures (an export, an exchange or an open fails on any rank) are agreed on by all ranks
-at the start of each collective (one small all-reduce); then every rank switches to the staged
-transport, with a warning, for this collective and the ones after it. The driver queries CuPy
-does not wrap (cuMemGetAddressRange, cuPointerGetAttribute) go through NVIDIA's cuda-bindings,
+Halves: :class:`IpcSend` is this rank's end of the edge to its right (it exports, announces and
+waits for "read done"), :class:`IpcRecv` its end of the edge from its left (it maps, reads and
+says "read done"). The sending half sends its handles at ``begin`` and reads the right's reply at
+its first step, so no rank waits in ``begin`` on a neighbour that is still sending its own.
+
+Set-up failures (an export or an open fails): the receiving half's reply says so, and both ends of
+that edge switch to the staged transport's halves, with a warning, for this collective and the
+ones after it; the ring's other edges keep theirs. The driver queries CuPy does not wrap
+(cuMemGetAddressRange, cuPointerGetAttribute) go through NVIDIA's cuda-bindings,
 with the array's device made current first; a failing query is logged once.
 """
 
@@ -50,8 +55,8 @@ import numpy as np
 
 from .. import tags
 from ..errors import MismatchError, RingcommError
-from .base import cancel, wait
-from .staged import EventPool, StagedTransport, wait_event
+from .base import abandon, cancel, wait
+from .staged import EventPool, StagedRecv, StagedSend, wait_event
 
 log = logging.getLogger("ringcomm")
 
@@ -65,8 +70,10 @@ SCRATCH_MIN_BYTES = 1 << 20
 #: opened neighbour allocations kept mapped (least recently used ones are closed beyond this)
 MAX_MAPPINGS = 64
 
-#: handle slots in one "released" message (more wait for the next collective)
+#: handle slots in one reply (more wait for the next collective)
 RELEASE_SLOTS = 8
+#: words of the receiving half's reply: state, count of released handles, closing flag, handles
+REPLY_WORDS = 3 + 8 * RELEASE_SLOTS
 
 
 class _Driver:
@@ -146,46 +153,63 @@ def _get_driver() -> _Driver:
     return _driver
 
 
-class IpcTransport:
-    """Ring neighbours on one node exchange chunks through CUDA IPC mappings (see module doc)."""
+def _warn_fallback(comm: Any, why: str) -> None:
+    msg = f"ringcomm: CUDA IPC unavailable on rank {comm.rank} ({why}); this edge uses the staged transport"
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    log.warning(msg)
+
+
+def _close_tag(comm: Any) -> int:
+    """The tag of the closing handshake's messages: after the last collective (a neighbour still
+    in it waits on)."""
+    return comm._layout.base("close", np.dtype(np.uint8), None, -1, comm._calls + 1) | tags.RELEASED
+
+
+def _close_context(comm: Any) -> Any:
+    from ..devices import HostDevice
+    from ..engine import Context
+
+    ctx = Context("Communicator.close()", comm, HostDevice(), np.dtype(np.uint8), None)
+    ctx.call, ctx.tag = comm._calls + 1, _close_tag(comm)
+    ctx.expect = (ctx.tag,)
+    return ctx
+
+
+class IpcSend:
+    """The sending half: exports this rank's buffers to the right neighbour, announces each chunk
+    it may read ("ready") and waits for its "read done" before this rank overwrites it."""
 
     name = "ipc"
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
-        self.fallback: StagedTransport | None = None  # set, on every rank, once IPC set-up failed
-        # exporting: allocation buffer id -> handle, and handle -> what keeps the allocation alive
-        # (the array or scratch Memory it was exported for) until the right has closed its mapping
+        self.fallback: StagedSend | None = None  # set, on both ends of the edge, once its set-up failed
+        # allocation buffer id -> handle, and handle -> what keeps the allocation alive (the array or
+        # scratch Memory it was exported for) until the right has closed its mapping
         self._handle_of: dict[int, bytes] = {}
         self._pins: dict[bytes, Any] = {}
         self._scratch = None  # registered send scratch (cudaMalloc), grown when needed
-        self._releases: list[bytes] = []  # handles of the left's memory closed here, to report to it
-        self._began = False  # some collective ran: close() agrees the unmapping with the neighbours
+        self._began = False  # some collective ran: close() agrees the unmapping with the right
         cap = max(16, 12 * comm.size)
         self._ready_out = np.zeros((cap, 4), np.int64)  # step, slot, byte offset, nbytes
-        self._ready_in = np.zeros((cap, 4), np.int64)
-        self._done_out = np.zeros((cap, 1), np.int64)
         self._done_in = np.zeros((cap, 1), np.int64)
         self._desc_out = np.zeros((len(SLOTS), _DESC), np.int64)
-        self._desc_in = np.zeros((len(SLOTS), _DESC), np.int64)
-        self._release_out = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)  # count, closing flag, handles
-        self._release_in = np.zeros(2 + 8 * RELEASE_SLOTS, np.int64)
-        self._flag_out = np.zeros(1, np.int32)
-        self._flag_in = np.zeros(1, np.int32)
+        self._reply_in = np.zeros(REPLY_WORDS, np.int64)
         self._events = EventPool()
         self._active = False
+        self._setup: list = []  # this call's handle message to the right, and the right's reply
         self._clear()
 
     def _clear(self) -> None:
         self._seq = 0
-        self._incoming = None  # (request, row, count, dtype) of this step's "ready" from the left
-        self._reading = False  # this step read from the left: send "read done" at step_done
         self._done_pending: list = []  # (step index, request) "read done" expected from the right
-        self._sends: list = []  # Isend requests of "ready" and "read done" messages
+        self._sends: list = []  # Isend requests of "ready" messages
         self._events.reset()
 
-    # ------------------------------------------------------------------ set-up
-    def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
+    def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
+        """Export src, work and the partial sums, and send their handles to the right; the right's
+        reply (mapped or not, and what it closed) is awaited at the first step, so that no rank
+        waits here for a neighbour that is still sending its own handles."""
         if self.fallback is not None:
             return self.fallback.begin(ctx, work, src, bounds)
         self.ctx, self.device = ctx, ctx.device
@@ -195,51 +219,39 @@ class IpcTransport:
             return None
         import cupy
 
-        self._cupy = cupy
-        self._began = True
+        self._cupy, self._began = cupy, True
         self.stream = self.device.stream
-        self._work, self._src, self._acc = work, src, ctx.acc
+        self._work, self._src, self._acc, self._bounds = work, src, ctx.acc, bounds
         base = ctx.identity()
-        self._t_handles, self._t_ready, self._t_done, self._t_released = (
+        t_handles, self._t_ready, self._t_done, t_reply = (
             base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
-        # (and data: a neighbour whose agreement completed first may be sending as the staged fallback)
-        ctx.expect = (self._t_handles, self._t_ready, self._t_done, self._t_released, base | tags.DATA)
-        mpi, left, right = self.comm.mpi, self.comm.left, self.comm.right
-        problem = ""
+        ctx.expect += (self._t_done, t_reply)
+        self._problem = ""
         try:
             with cupy.cuda.Device(self.device.device_id):  # driver calls need the device's context current
                 self._describe(work, src, ctx.acc)
-        except Exception as e:  # noqa: BLE001 - any failure means: fall back, on every rank
-            problem = f"exporting this rank's buffers failed: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure means: this edge falls back, on both ends
+            self._problem = f"exporting this rank's buffers failed: {e}"
             self._desc_out[:, 0] = _FAILED
-        self._fill_releases(closing=False)
-        wait([mpi.Irecv(self._desc_in, left, self._t_handles), mpi.Isend(self._desc_out, right, self._t_handles),
-              mpi.Irecv(self._release_in, right, self._t_released), mpi.Isend(self._release_out, left, self._t_released)],
-             ctx, None, left, "exchanging CUDA IPC handles")
-        self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in SLOTS})
-        if not problem:
-            try:
-                self._peer = [self._open(self._desc_in[slot]) for slot in SLOTS]
-                with _mapped_lock:  # after every slot is open: the mappings of this call are the newest
-                    self._evict()
-            except Exception as e:  # noqa: BLE001
-                problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
-        self._flag_out[0] = 0 if problem else 1
-        from mpi4py import MPI
-
-        wait([mpi.Iallreduce(self._flag_out, self._flag_in, op=MPI.MIN)], ctx, None, left, "agreeing on CUDA IPC")
-        if self._flag_in[0] != 1:
-            self._fall_back(problem or "another rank could not set up CUDA IPC")
-            return self.fallback.begin(ctx, work, src, bounds)
+        mpi, right = self.comm.mpi, self.comm.right
+        self._setup = [mpi.Isend(self._desc_out, right, t_handles), mpi.Irecv(self._reply_in, right, t_reply)]
         return None
 
-    def _fall_back(self, why: str) -> None:
-        msg = f"ringcomm: CUDA IPC unavailable on rank {self.comm.rank} ({why}); using the staged transport"
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
-        self.fallback = StagedTransport(self.comm)
-        self.name = "staged"
-        self._active = False
+    def _connect(self, step: int | None) -> bool:
+        """Once per call: wait for the right's reply to the handles. It lists this rank's
+        allocations the right closed since the last call (unpinned here, unless described again
+        now) and says whether the right mapped the new ones; if not, this edge falls back to
+        staging (the right does the same). True while the edge is IPC."""
+        if self._setup:
+            setup, self._setup = self._setup, []
+            wait(setup, self.ctx, step, self.comm.right, "rank %d to map this rank's memory (CUDA IPC)",
+                 self.comm.right)
+            self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in SLOTS})
+            if self._reply_in[0] != _VALID:
+                _warn_fallback(self.comm, self._problem or f"rank {self.comm.right} could not map this rank's memory")
+                self.fallback, self.name, self._active = StagedSend(self.comm), "staged", False
+                self.fallback.begin(self.ctx, self._work, self._src, self._bounds)
+        return self.fallback is None
 
     def _describe(self, work: Any, src: Any, acc: Any) -> None:
         """Fill the outgoing descriptor: how the right neighbour can map src, work, the partial
@@ -287,29 +299,200 @@ class IpcTransport:
         row[0], row[1], row[2], row[3] = _VALID, offset, nbytes, alloc
         row[4:] = _words(handle)
 
-    def _fill_releases(self, closing: bool) -> None:
-        """The outgoing "released" message: handles of the left's memory this rank closed since
-        the last one (at most RELEASE_SLOTS; the rest go next time), and whether it is closing."""
-        out, sent = self._release_out, self._releases[:RELEASE_SLOTS]
-        del self._releases[:RELEASE_SLOTS]
-        out[:] = 0
-        out[0], out[1] = len(sent), int(closing)
-        for i, handle in enumerate(sent):
-            out[2 + 8 * i: 10 + 8 * i] = _words(handle)
-
     def _unpin_released(self, keep: set[bytes] = frozenset()) -> None:
         """Drop the pins of the allocations the right reports it no longer maps (all of them when
         it is closing), except those described again in this collective (the right opens them anew)."""
-        got = self._release_in
-        if got[1]:
+        got = self._reply_in
+        if got[2]:
             self._pins.clear()
             self._handle_of.clear()
             return
-        released = {got[2 + 8 * i: 10 + 8 * i].tobytes() for i in range(int(got[0]))} - set(keep)
+        released = {got[3 + 8 * i: 11 + 8 * i].tobytes() for i in range(int(got[1]))} - set(keep)
         for handle in released:
             self._pins.pop(handle, None)
         if released:
             self._handle_of = {k: h for k, h in self._handle_of.items() if h not in released}
+
+    def _row(self, table: np.ndarray) -> np.ndarray:
+        if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
+            raise RuntimeError(f"ipc transport: step {self._seq} exceeds its {table.shape[0]} message slots")
+        return table[self._seq]
+
+    def post(self, step: Any, send: Any, writes: bool) -> None:
+        if self.fallback is not None:
+            return self.fallback.post(step, send, writes)
+        if not self._active:
+            return None
+        if not self._connect(step.index):
+            return self.fallback.post(step, send, writes)
+        mpi, right = self.comm.mpi, self.comm.right
+        if send is not None and send.size:
+            slot, offset = self._locate(send)
+            if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
+                self._wait_done_before(step)
+                self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
+            ev = self._events.take()
+            ev.record(self.stream)  # after the kernels that produced this chunk (and the scratch copy)
+            wait_event(ev, self.ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
+            out = self._row(self._ready_out)
+            out[:] = (step.index, slot, offset, send.nbytes)
+            self._sends.append(mpi.Isend(out, right, self._t_ready))
+            self._done_pending.append((step.index, mpi.Irecv(self._row(self._done_in), right, self._t_done)))
+        if writes:  # this step's kernel writes this rank's work: earlier readers must be done
+            self._wait_done_before(step)
+        self._seq += 1
+        return None
+
+    def _locate(self, send: Any) -> tuple[int, int]:
+        """(slot, byte offset within the slot's array) of the chunk ``send`` (a view of work, src or acc)."""
+        from ..devices.cuda import pointer
+
+        p = pointer(send)
+        for slot, a in ((WORK, self._work), (SRC, self._src), (ACC, self._acc)):
+            if a is None:
+                continue
+            start = pointer(a)
+            if a.nbytes and start <= p and p + send.nbytes <= start + a.nbytes:
+                return self._slot_of[slot], p - start
+        raise RuntimeError("ipc transport: the chunk to send is neither in work, src nor the partial sums")
+
+    def _wait_done_before(self, step: Any) -> None:
+        earlier = [req for index, req in self._done_pending if index < step.index]
+        if earlier:
+            wait(earlier, self.ctx, step.index, self.comm.right,
+                 "the right neighbour to finish reading this rank's earlier chunks (CUDA IPC)")
+            self._done_pending = [(i, r) for i, r in self._done_pending if i >= step.index]
+
+    def pump(self, step: Any, piece: int) -> None:
+        if self.fallback is not None:
+            self.fallback.pump(step, piece)
+
+    def step_done(self, step: Any) -> None:
+        if self.fallback is not None:
+            return self.fallback.step_done(step)
+        self._events.reset()  # every event used so far has completed
+        return None
+
+    def end(self) -> None:
+        if self._active and self._connect(None):
+            wait([req for _, req in self._done_pending], self.ctx, None, self.comm.right,
+                 "the right neighbour to finish reading this rank's chunks (CUDA IPC)")
+            wait(self._sends, self.ctx, None, self.comm.right, "delivering CUDA IPC step messages")
+        if self.fallback is not None:
+            self.fallback.end()
+        self._clear()
+        self._work = self._src = self._acc = None
+
+    def close(self) -> None:
+        """Wait for the right to say it closed its mappings of this rank's memory, then drop the
+        pins (collective, as Communicator.close() is: the right's receiving half says so first).
+        On an aborted communicator the right may be gone: the pins stay for the process's life."""
+        if self.fallback is not None:
+            self.fallback.close()
+        if not self._began or self.comm._aborted:
+            return
+        ctx = _close_context(self.comm)
+        try:
+            wait([self.comm.mpi.Irecv(self._reply_in, self.comm.right, ctx.tag)], ctx, None, self.comm.right,
+                 "the right neighbour to close its CUDA IPC mappings of this rank's memory")
+        except RingcommError as e:  # the neighbour is gone or aborted: keep the pins (the memory stays)
+            log.warning("ringcomm: rank %d closes without its right neighbour's word (%s); what it exported stays "
+                        "allocated", self.comm.rank, e)
+            return
+        self._unpin_released()
+        self._scratch = None
+        self._began = False
+
+    def abort(self) -> None:
+        if self.fallback is not None:
+            return self.fallback.abort()
+        setup, self._setup = self._setup, []
+        cancel([req for _, req in self._done_pending] + setup[1:], self._sends + setup[:1])
+        self._clear()
+        self._work = self._src = self._acc = None
+        return None
+
+
+class IpcRecv:
+    """The receiving half: maps the left's buffers and reads each announced chunk from them,
+    then tells the left "read done"."""
+
+    name = "ipc"
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.fallback: StagedRecv | None = None  # set, on both ends of the edge, once its set-up failed
+        self._releases: list[bytes] = []  # handles of the left's memory closed here, to report to it
+        self._began = False
+        self._peer: list = []
+        cap = max(16, 12 * comm.size)
+        self._ready_in = np.zeros((cap, 4), np.int64)
+        self._done_out = np.zeros((cap, 1), np.int64)
+        self._desc_in = np.zeros((len(SLOTS), _DESC), np.int64)
+        self._reply_out = np.zeros(REPLY_WORDS, np.int64)
+        self._events = EventPool()
+        self._active = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self._seq = 0
+        self._incoming = None  # (request, row, count, dtype) of this step's "ready" from the left
+        self._reading = False  # this step read from the left: send "read done" at step_done
+        self._sends: list = []  # Isend requests of the reply and the "read done" messages
+        self._events.reset()
+
+    def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
+        """Receive the left's handles, map them (cached), and reply: mapped or not, and which of the
+        left's allocations this rank closed since the last call."""
+        if self.fallback is not None:
+            return self.fallback.begin(ctx, work, src, bounds)
+        self.ctx, self.device = ctx, ctx.device
+        self._clear()
+        self._active = self.comm.size > 1
+        if not self._active:
+            return None
+        import cupy
+
+        self._cupy, self._began = cupy, True
+        self.stream = self.device.stream
+        base = ctx.identity()
+        t_handles, self._t_ready, self._t_done, t_reply = (
+            base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
+        # (and data: a left whose edge fell back to staging may be sending already)
+        ctx.expect += (t_handles, self._t_ready, base | tags.DATA)
+        mpi, left = self.comm.mpi, self.comm.left
+        wait([mpi.Irecv(self._desc_in, left, t_handles)], ctx, None, left, "rank %d's CUDA IPC handles", left)
+        problem = ""
+        if (self._desc_in[:, 0] == _FAILED).any():
+            problem = f"rank {left} could not export its buffers"
+        else:
+            try:
+                with cupy.cuda.Device(self.device.device_id):  # a handle opens on the current device
+                    self._peer = [self._open(self._desc_in[slot]) for slot in SLOTS]
+                with _mapped_lock:  # after every slot is open: the mappings of this call are the newest
+                    self._evict()
+            except Exception as e:  # noqa: BLE001 - any failure means: this edge falls back, on both ends
+                problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
+        self._fill_reply(ok=not problem, closing=False)
+        reply = mpi.Isend(self._reply_out, left, t_reply)
+        if not problem:
+            self._sends.append(reply)
+            return None
+        wait([reply], ctx, None, left, "telling rank %d that CUDA IPC failed", left)
+        _warn_fallback(self.comm, problem)
+        self.fallback, self.name, self._active = StagedRecv(self.comm), "staged", False
+        return self.fallback.begin(ctx, work, src, bounds)
+
+    def _fill_reply(self, ok: bool, closing: bool) -> None:
+        """The reply to the left: whether its handles are mapped, whether this rank is closing, and
+        the handles of its memory closed here since the last reply (at most RELEASE_SLOTS; the rest
+        go next time)."""
+        out, sent = self._reply_out, self._releases[:RELEASE_SLOTS]
+        del self._releases[:RELEASE_SLOTS]
+        out[:] = 0
+        out[0], out[1], out[2] = _VALID if ok else _FAILED, len(sent), int(closing)
+        for i, handle in enumerate(sent):
+            out[3 + 8 * i: 11 + 8 * i] = _words(handle)
 
     def _open(self, row: np.ndarray) -> Any:
         """A uint8 view of the neighbour's array described by ``row`` (None for an unused slot)."""
@@ -338,8 +521,8 @@ class IpcTransport:
 
     def _evict(self) -> None:
         # From begin() only, once every slot of the call is open, with _mapped_lock held: the
-        # mappings of the current collective are the most recently used ones. Every transport
-        # that used a closed mapping tells its left at its next collective (the exporter unpins).
+        # mappings of the current collective are the most recently used ones. Every receiving half
+        # that used a closed mapping tells its left in its next reply (the exporter unpins).
         while len(_mapped) > max(MAX_MAPPINGS, len(SLOTS)):
             handle, mapping = _mapped.popitem(last=False)
             self._close_mapping(mapping)
@@ -352,66 +535,27 @@ class IpcTransport:
         except Exception as e:  # noqa: BLE001 - the mapping is gone either way
             log.warning("ringcomm: closing a CUDA IPC mapping failed on rank %d: %s", self.comm.rank, e)
 
-    def _row(self, table: np.ndarray) -> np.ndarray:
-        if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
-            raise RuntimeError(f"ipc transport: step {self._seq} exceeds its {table.shape[0]} message slots")
-        return table[self._seq]
-
-    # ------------------------------------------------------------------ steps
-    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
+    def post(self, step: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
         if self.fallback is not None:
-            return self.fallback.post(step, send, recv_count, recv_into, recv_dtype)
-        if not self._active:
-            return None
-        mpi, ctx, left, right = self.comm.mpi, self.ctx, self.comm.left, self.comm.right
+            return self.fallback.post(step, recv_count, recv_into, recv_dtype)
+        if self._seq >= self._ready_in.shape[0]:  # more steps than foreseen: never in the ring schedules
+            raise RuntimeError(f"ipc transport: step {self._seq} exceeds its {self._ready_in.shape[0]} message slots")
+        row = self._ready_in[self._seq]
+        self._seq += 1
         self._incoming = None
         if recv_count:
-            row = self._row(self._ready_in)
-            self._incoming = (mpi.Irecv(row, left, self._t_ready), row, recv_count, np.dtype(recv_dtype))
-        if send is not None and send.size:
-            slot, offset = self._locate(send)
-            if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
-                self._wait_done_before(step)
-                self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
-            ev = self._events.take()
-            ev.record(self.stream)  # after the kernels that produced this chunk (and the scratch copy)
-            wait_event(ev, ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
-            out = self._row(self._ready_out)
-            out[:] = (step.index, slot, offset, send.nbytes)
-            self._sends.append(mpi.Isend(out, right, self._t_ready))
-            self._done_pending.append((step.index, mpi.Irecv(self._row(self._done_in), right, self._t_done)))
-        if recv_count:  # this step's kernel writes this rank's work: earlier readers must be done
-            self._wait_done_before(step)
-        self._seq += 1
+            req = self.comm.mpi.Irecv(row, self.comm.left, self._t_ready)
+            self._incoming = (req, row, recv_count, np.dtype(recv_dtype))
         return None
 
-    def _locate(self, send: Any) -> tuple[int, int]:
-        """(slot, byte offset within the slot's array) of the chunk ``send`` (a view of work, src or acc)."""
-        from ..devices.cuda import pointer
-
-        p = pointer(send)
-        for slot, a in ((WORK, self._work), (SRC, self._src), (ACC, self._acc)):
-            if a is None:
-                continue
-            start = pointer(a)
-            if a.nbytes and start <= p and p + send.nbytes <= start + a.nbytes:
-                return self._slot_of[slot], p - start
-        raise RuntimeError("ipc transport: the chunk to send is neither in work, src nor the partial sums")
-
-    def _wait_done_before(self, step: Any) -> None:
-        earlier = [req for index, req in self._done_pending if index < step.index]
-        if earlier:
-            wait(earlier, self.ctx, step.index, self.comm.right,
-                 "the right neighbour to finish reading this rank's earlier chunks (CUDA IPC)")
-            self._done_pending = [(i, r) for i, r in self._done_pending if i >= step.index]
-
-    def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
+    def recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
         if self.fallback is not None:
-            yield from self.fallback.recv(step)
+            yield from self.fallback.recv(step, sender)
             return
-        if not self._active or self._incoming is None:
+        if self._incoming is None:
             return
         req, row, count, dtype = self._incoming
+        sender.pump(step, 0)
         wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)
         index, slot, offset, nbytes = (int(v) for v in row)
         view = self._peer[slot] if 0 <= slot < len(SLOTS) else None
@@ -428,8 +572,6 @@ class IpcTransport:
     def step_done(self, step: Any) -> None:
         if self.fallback is not None:
             return self.fallback.step_done(step)
-        if not self._active:
-            return None
         if self._reading:  # the kernel reading the left's memory must be complete before "read done"
             ev = self._events.take()
             ev.record(self.stream)
@@ -445,23 +587,14 @@ class IpcTransport:
         if self.fallback is not None:
             return self.fallback.end()
         if self._active:
-            pending = [req for _, req in self._done_pending]
-            wait(pending, self.ctx, None, self.comm.right,
-                 "the right neighbour to finish reading this rank's chunks (CUDA IPC)")
-            wait(self._sends, self.ctx, None, self.comm.right, "delivering CUDA IPC step messages")
+            wait(self._sends, self.ctx, None, self.comm.left, "delivering CUDA IPC step messages")
         self._clear()
-        self._work = self._src = self._acc = None
         return None
 
     def close(self) -> None:
-        """Close this transport's mappings of the left's memory and release what the right mapped
-        of this rank's, agreed with both neighbours (collective, as Communicator.close() is).
-
-        Each rank closes its mappings (those no other transport of the process still uses), then
-        tells its left so, and waits for its right to say the same before dropping its pins: no
-        allocation is freed while a neighbour still maps it. On an aborted communicator the
-        neighbours may be gone: the mappings are closed, and the pins kept for the process's life.
-        """
+        """Close this half's mappings of the left's memory (those no other half of the process
+        still uses) and tell the left so, which then drops its pins (IpcSend.close). The note is
+        small (sent eagerly by MPI) and not waited for: a left still in close() receives it."""
         if self.fallback is not None:
             self.fallback.close()
         if not self._began:
@@ -475,35 +608,16 @@ class IpcTransport:
                         self._close_mapping(mapping)
         self._releases.clear()
         self._peer = []
+        self._began = False
         if self.comm._aborted:
             return
-        from ..engine import Context
-        from ..devices import HostDevice
-
-        ctx = Context("Communicator.close()", self.comm, HostDevice(), np.dtype(np.uint8), None)
-        call = self.comm._calls + 1  # after the last collective: a neighbour still in it waits on
-        tag = self.comm._layout.base("close", ctx.dtype, None, -1, call) | tags.RELEASED
-        ctx.call, ctx.tag, ctx.expect = call, tag, (tag,)
-        self._fill_releases(closing=True)
-        mpi = self.comm.mpi
-        try:
-            wait([mpi.Irecv(self._release_in, self.comm.right, tag), mpi.Isend(self._release_out, self.comm.left, tag)],
-                 ctx, None, self.comm.right, "the right neighbour to close its CUDA IPC mappings of this rank's memory")
-        except RingcommError as e:  # the neighbour is gone or aborted: keep the pins (the memory stays)
-            log.warning("ringcomm: rank %d closes without its right neighbour's word (%s); what it exported stays "
-                        "allocated", self.comm.rank, e)
-            return
-        self._unpin_released()
-        self._scratch = None
-        self._began = False
+        self._fill_reply(ok=True, closing=True)
+        abandon(self.comm.mpi.Isend(self._reply_out, self.comm.left, _close_tag(self.comm)), self._reply_out)
 
     def abort(self) -> None:
         if self.fallback is not None:
             return self.fallback.abort()
-        recvs = [req for _, req in self._done_pending]
-        if self._incoming is not None:
-            recvs.append(self._incoming[0])
+        recvs = [] if self._incoming is None else [self._incoming[0]]
         cancel(recvs, self._sends)
         self._clear()
-        self._work = self._src = self._acc = None
         return None

@@ -1,7 +1,8 @@
 """Staged transport for GPU arrays: device -> pinned host -> MPI -> pinned host -> device.
 
 For GPU ranks that cannot read each other's memory (other nodes without a CUDA-aware MPI, or a
-failed CUDA IPC set-up). Each chunk is cut into slices; for every slice the device-to-host copy
+failed CUDA IPC set-up). :class:`StagedSend` is the sending half of an edge, :class:`StagedRecv` the
+receiving one. Each chunk is cut into slices; for every slice the device-to-host copy
 runs on a side stream, the MPI transfer on the host, and the host-to-device copy plus the
 reduction on the collective's stream, so the three overlap across slices.
 
@@ -84,107 +85,146 @@ def cuda_aware_mpi() -> bool:
     return _query_library() if override is None else override
 
 
-class StagedTransport:
-    """GPU chunks through pinned host buffers and MPI point-to-point between ring neighbours."""
+class _Staged:
+    """What both halves share: pinned host buffers (grown when needed) and reusable events."""
 
     name = "staged"
 
     def __init__(self, comm: Any, slice_bytes: int | None = None) -> None:
         self.comm = comm
         self.slice_bytes = max(int(slice_bytes or comm.slice_bytes), MIN_SLICE_BYTES)
-        self._host_send = self._host_recv = None  # pinned numpy uint8 arrays, grown when needed
-        self._pinned: list = []  # the pinned allocations behind them (kept alive)
-        self._dev = Reused()  # device scratch for reduce steps, reused across calls (and streams)
-        self._dev_recv = None  # this call's view of it
-        self._copy_stream = None  # device-to-host copies
-        self._send_it = 1  # bytes per element of the chunk being sent (float32 partial sums, or the dtype's)
+        self._host = None  # pinned numpy uint8 array, grown when needed
+        self._pinned = None  # the pinned allocation behind it (kept alive)
         self._events = EventPool()
-        self._reset()
 
-    # ------------------------------------------------------------------ helpers
-    def _reset(self) -> None:
-        self._recvs: list = []  # (lo, hi, host view, request)
-        self._pending: list = []  # (lo, hi, event): device-to-host copies not yet sent
-        self._sends: list = []
-        self._h2d = None  # event after the step's last host-to-device copy
-        self._events.reset()
-
-    def _pinned_array(self, nbytes: int) -> np.ndarray:
-        mem = self._cupy.cuda.alloc_pinned_memory(nbytes)
-        self._pinned.append(mem)
-        return np.frombuffer(mem, np.uint8, nbytes)
-
-    # ------------------------------------------------------------------ protocol
-    def begin(self, ctx: Any, work: Any, src: Any, bounds: list[tuple[int, int]]) -> None:
+    def _start(self, ctx: Any, work: Any, bounds: Any) -> bool:
+        """Bind the call; make the pinned buffer as large as the widest chunk. False when N == 1."""
         import cupy
 
-        self._cupy = cupy
+        self._cupy, self._rt = cupy, cupy.cuda.runtime
         self.ctx, self.device = ctx, ctx.device
         self.stream = self.device.stream
-        self._rt = cupy.cuda.runtime
         self._tag = ctx.identity() | tags.DATA
-        ctx.expect = (self._tag,)
-        self._reset()
+        ctx.expect += (self._tag,)
+        self._events.reset()
         if self.comm.size == 1:  # no steps: nothing to stage
-            return
+            return False
         widest = max(work.itemsize, ctx.acc.itemsize if ctx.acc is not None else 0)  # float32 partials
-        need = max((hi - lo for lo, hi in bounds), default=0) * widest
-        if self._host_send is None or self._host_send.size < need:
-            self._pinned.clear()
-            self._host_send = self._pinned_array(max(need, 1))
-            self._host_recv = self._pinned_array(max(need, 1))
-        self._dev_recv = self._dev.take(self.device, need)
-        if self._copy_stream is None:
-            self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._reset()
+        self._need = need = max((hi - lo for lo, hi in bounds), default=0) * widest
+        if self._host is None or self._host.size < need:
+            self._pinned = cupy.cuda.alloc_pinned_memory(max(need, 1))
+            self._host = np.frombuffer(self._pinned, np.uint8, max(need, 1))
+        return True
 
-    def post(self, step: Any, send: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
-        mpi, comm = self.comm.mpi, self.comm
-        self._reset()
-        self._recv_into, self._recv_dtype, it = recv_into, recv_dtype, recv_dtype.itemsize
-        if recv_count:
-            for lo, hi in slices(recv_count, max(1, self.slice_bytes // it)):
-                view = self._host_recv[lo * it: hi * it]
-                self._recvs.append((lo, hi, view, mpi.Irecv(view, comm.left, self._tag)))
-        if send is not None and send.size:
-            from ..devices.cuda import pointer
+    def close(self) -> None:
+        """Drop the pinned buffer (the communicator is being freed)."""
+        self._host = self._pinned = None
 
-            ready = self._events.take()
-            ready.record(self.stream)  # the chunk's producers, queued before this step
-            self._copy_stream.wait_event(ready)
-            base, host = pointer(send), self._host_send.ctypes.data
-            d2h = getattr(self._rt, "memcpyDeviceToHost", 2)
-            self._send_it = it = send.itemsize
-            for lo, hi in slices(send.size, max(1, self.slice_bytes // it)):
-                self._rt.memcpyAsync(host + lo * it, base + lo * it, (hi - lo) * it, d2h, self._copy_stream.ptr)
-                ev = self._events.take()
-                ev.record(self._copy_stream)
-                self._pending.append((lo, hi, ev))
 
-    def _send_ready(self, step: Any, upto: int, block: bool) -> None:
-        """Post the Isend of every slice whose device-to-host copy is done; with ``block``, of the
-        first ``upto`` slices at least (waiting for their copies)."""
-        mpi, it = self.comm.mpi, self._send_it
+class StagedSend(_Staged):
+    """The sending half: device-to-host copies on a side stream, then MPI_Isend to the right."""
+
+    def __init__(self, comm: Any, slice_bytes: int | None = None) -> None:
+        super().__init__(comm, slice_bytes)
+        self._copy_stream = None  # device-to-host copies
+        self._it = 1  # bytes per element of the chunk being sent (float32 partial sums, or the dtype's)
+        self._pending: list = []  # (lo, hi, event): device-to-host copies not yet sent
+        self._sends: list = []
+
+    def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
+        self._pending, self._sends = [], []
+        if self._start(ctx, work, bounds) and self._copy_stream is None:
+            self._copy_stream = self._cupy.cuda.Stream(non_blocking=True)
+
+    def post(self, step: Any, send: Any, writes: bool) -> None:
+        if send is None or not send.size:
+            return
+        from ..devices.cuda import pointer
+
+        ready = self._events.take()
+        ready.record(self.stream)  # the chunk's producers, queued before this step
+        self._copy_stream.wait_event(ready)
+        base, host = pointer(send), self._host.ctypes.data
+        d2h = getattr(self._rt, "memcpyDeviceToHost", 2)
+        self._it = it = send.itemsize
+        for lo, hi in slices(send.size, max(1, self.slice_bytes // it)):
+            self._rt.memcpyAsync(host + lo * it, base + lo * it, (hi - lo) * it, d2h, self._copy_stream.ptr)
+            ev = self._events.take()
+            ev.record(self._copy_stream)
+            self._pending.append((lo, hi, ev))
+
+    def pump(self, step: Any, piece: int, block: bool = True) -> None:
+        """Post the Isend of every slice whose device-to-host copy is done, and (``block``) of the
+        first ``piece + 1`` slices at least, waiting for their copies. A receiving half calls this
+        before it waits for incoming slice ``piece``: every rank posts slices 0..i before it waits
+        for slice i, so no rank waits on a neighbour that waits on it."""
+        mpi, it = self.comm.mpi, self._it
         while self._pending:
             lo, hi, ev = self._pending[0]
             if not ev.done:
-                if not (block and len(self._sends) < upto):
+                if not (block and len(self._sends) <= piece):
                     return
                 wait_event(ev, self.ctx, step.index, self.comm.right, "copying chunk %s to the host", step.send)
             self._pending.pop(0)
-            self._sends.append(mpi.Isend(self._host_send[lo * it: hi * it], self.comm.right, self._tag))
+            self._sends.append(mpi.Isend(self._host[lo * it: hi * it], self.comm.right, self._tag))
 
-    def recv(self, step: Any) -> Iterator[tuple[int, int, Any]]:
-        it = self._recv_dtype.itemsize
-        h2d = getattr(self._rt, "memcpyHostToDevice", 1)
+    def step_done(self, step: Any) -> None:
+        if self._pending:
+            self.pump(step, len(self._pending) + len(self._sends))
+        if self._sends:  # the pinned buffer is reused by the next step
+            wait(self._sends, self.ctx, step.index, self.comm.right, "sending chunk %s", step.send)
+        self._pending, self._sends = [], []
+        self._events.reset()
+
+    def end(self) -> None:
+        self._events.reset()
+
+    def abort(self) -> None:
+        cancel((), self._sends)
+        self._pending, self._sends = [], []
+        if self._copy_stream is not None:  # local work only: the pinned buffer is free after it
+            done = self._events.take()
+            done.record(self._copy_stream)
+            try:
+                wait_event(done, self.ctx, None, self.comm.rank, "this rank's copies to the host, after an error")
+            except Exception:  # noqa: BLE001 - best effort while the first error propagates
+                pass
+        self._events.reset()
+
+
+class StagedRecv(_Staged):
+    """The receiving half: MPI_Irecv from the left into pinned memory, then host-to-device copies
+    on the collective's stream (into the destination, or a device scratch for reduce steps)."""
+
+    def __init__(self, comm: Any, slice_bytes: int | None = None) -> None:
+        super().__init__(comm, slice_bytes)
+        self._dev = Reused()  # device scratch for reduce steps, reused across calls (and streams)
+        self._dev_recv = None  # this call's view of it
+        self._recvs: list = []  # (lo, hi, host view, request)
+        self._h2d = None  # event after the step's last host-to-device copy
+
+    def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
+        self._recvs, self._h2d = [], None
+        self._active = self._start(ctx, work, bounds)
+        if self._active:
+            self._dev_recv = self._dev.take(self.device, self._need)
+
+    def post(self, step: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
+        self._recv_into, self._recv_dtype, it = recv_into, recv_dtype, recv_dtype.itemsize
+        mpi, left = self.comm.mpi, self.comm.left
+        for lo, hi in slices(recv_count, max(1, self.slice_bytes // it)):
+            view = self._host[lo * it: hi * it]
+            self._recvs.append((lo, hi, view, mpi.Irecv(view, left, self._tag)))
+
+    def recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
         from ..devices.cuda import pointer
 
+        it = self._recv_dtype.itemsize
+        h2d = getattr(self._rt, "memcpyHostToDevice", 1)
         target = self._recv_into
         dst = pointer(target) if target is not None else self._dev_recv.data.ptr
         for i, (lo, hi, view, req) in enumerate(self._recvs):
-            # Slices 0..i of this rank's send are posted before it waits for incoming slice i, and
-            # every rank does the same, so no rank waits on a neighbour that waits on it.
-            self._send_ready(step, i + 1, block=True)
+            sender.pump(step, i)
             wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=(view.nbytes,))
             self._rt.memcpyAsync(dst + lo * it, view.ctypes.data, (hi - lo) * it, h2d, self.stream.ptr)
             if target is None:
@@ -196,31 +236,23 @@ class StagedTransport:
             self._h2d.record(self.stream)
 
     def step_done(self, step: Any) -> None:
-        self._send_ready(step, len(self._pending) + len(self._sends), block=True)
-        wait(self._sends, self.ctx, step.index, self.comm.right, "sending chunk %s", step.send)
-        if self._h2d is not None:  # the pinned receive buffer is reused by the next step
+        if self._h2d is not None:  # the pinned buffer is reused by the next step
             wait_event(self._h2d, self.ctx, step.index, self.comm.left, "copying chunk %s to the device", step.recv)
-        self._reset()
+        self._recvs, self._h2d = [], None
+        self._events.reset()
 
     def end(self) -> None:
-        if self.comm.size > 1:
+        if self._active:
             self._dev.done(self.device)
-        self._reset()
+        self._recvs, self._h2d = [], None
+
+    def abort(self) -> None:
+        cancel([req for *_, req in self._recvs])
+        self._recvs, self._h2d = [], None
+        self._events.reset()
 
     def close(self) -> None:
         """Drop the pinned and device buffers (the communicator is being freed)."""
-        self._reset()
-        self._host_send = self._host_recv = self._dev_recv = None
-        self._pinned.clear()
+        super().close()
+        self._dev_recv = None
         self._dev.free()
-
-    def abort(self) -> None:
-        cancel([req for *_, req in self._recvs], self._sends)
-        if self._copy_stream is not None:  # local work only: the pinned buffers are free after it
-            done = self._events.take()
-            done.record(self._copy_stream)
-            try:
-                wait_event(done, self.ctx, None, self.comm.rank, "this rank's copies to the host, after an error")
-            except Exception:  # noqa: BLE001 - best effort while the first error propagates
-                pass
-        self._reset()
