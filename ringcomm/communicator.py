@@ -71,6 +71,7 @@ class Communicator:
             raise ValueError(f"need slice_bytes >= 1 and small_bytes >= 0; got {self.slice_bytes}, {self.small_bytes}")
         self.rank: int = mpi_comm.rank
         self.size: int = mpi_comm.size
+        labels = env("RINGCOMM_NODES", lambda raw: _node_labels(raw, self.size), None)
         self._host = devices.HostDevice()
         # MPI_Comm_idup under the deadline: a peer that never creates its Communicator raises here
         # instead of hanging; once every peer is known to be present, the node split follows.
@@ -80,7 +81,6 @@ class Communicator:
         self.mpi: MPI.Intracomm = dup
         self.left = (self.rank - 1) % self.size  # (named by set-up waits until the ring is known)
         self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
-        labels = env("RINGCOMM_NODES", lambda raw: _node_labels(raw, self.size), None)
         if labels is None:  # MPI's shared-memory split: a node is named by its lowest rank
             #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
             self.node_comm: MPI.Intracomm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)

@@ -45,6 +45,12 @@ def assert_like_mpi(ours: np.ndarray, theirs: np.ndarray, inputs: list[np.ndarra
 
 @pytest.mark.parallel(nprocs=NPROCS)
 def test_all_reduce_reduce_scatter_all_gather():
+    check_ring_family()
+
+
+def check_ring_family() -> None:
+    """all_reduce (both algorithms), reduce_scatter and all_gather over every dtype, op and count
+    class, against MPI and float64 numpy (also run by test_topology under node layouts)."""
     mpi = MPI.COMM_WORLD
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     # small slices so large counts travel as many pipelined messages; two thresholds for the small
@@ -113,6 +119,11 @@ def test_all_reduce_reduce_scatter_all_gather():
 
 @pytest.mark.parallel(nprocs=NPROCS)
 def test_broadcast_and_reduce():
+    check_chain_family()
+
+
+def check_chain_family() -> None:
+    """broadcast and reduce over every dtype, op, count class and several roots, against MPI."""
     mpi = MPI.COMM_WORLD
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     comm = make_comm(slice_bytes=2048)

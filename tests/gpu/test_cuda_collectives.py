@@ -64,7 +64,10 @@ def host(d) -> np.ndarray:
     return cupy.asnumpy(d)
 
 
-def comm_with(transport: str, **kw):
+def comm_with(transport: str | None, **kw):
+    """A Communicator whose GPU edges all use ``transport`` (None: each edge's automatic choice)."""
+    if transport is None:
+        return make_comm(**kw)
     os.environ["RINGCOMM_TRANSPORT"] = transport
     try:
         comm = make_comm(**kw)
@@ -77,10 +80,16 @@ def comm_with(transport: str, **kw):
 @pytest.mark.parallel(nprocs=NPROCS)
 def test_cuda_collectives_every_op_and_dtype():
     _use_local_gpu()
+    check_every_op_and_dtype(transports())
+
+
+def check_every_op_and_dtype(names: list[str | None]) -> None:
+    """Every collective, op, dtype and count class on the GPU, bitwise the host path's result, once
+    per transport in ``names`` (None: the automatic choice per edge; also run by test_cuda_topology)."""
     mpi = MPI.COMM_WORLD
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     hostcomm = make_comm(small_bytes=0)
-    for transport in transports():
+    for transport in names:
         ring = comm_with(transport, small_bytes=0)
         small = comm_with(transport)  # all-reduces up to small_bytes take the gather-fold path
         n, r = ring.size, ring.rank

@@ -19,6 +19,17 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   RINGCOMM_EMULATED_JITTER=<ms> also delays some queued work at random, so ranks drift apart.
 - NCCL: ``cupy.cuda.nccl`` (_nccl.py) with CuPy 14's signatures, its collectives done with MPI and
   queued on the given stream; RINGCOMM_EMULATED_NCCL_VERSION picks the NCCL version it reports.
+- devices: RINGCOMM_EMULATED_DEVICES=<n> (default 1) devices, the same n in every process of a node
+  (device i has PCI bus id "0000:<i as 2 hex digits>:00.0", so device 0 is "0000:00:00.0" in every
+  process: ranks on one device share one GPU). The current device is per thread (0 in a new thread),
+  as the CUDA runtime's. Memory (the pool is per device, as CuPy's), streams and events belong to the
+  device current when they were made; pinned host memory to none. RINGCOMM_EMULATED_PEER_ACCESS says
+  which devices can access each other's memory (cudaDeviceCanAccessPeer): "all" (default), "none",
+  or groups of device ids joined by "-", separated by "," ("0-1,2-3": 0 and 1 can, 2 and 3 can, no
+  other pair; a device in no group has no peers). A kernel launched on device d may touch memory of
+  device d (its own allocations and the IPC mappings opened on d) and of devices that d enabled peer
+  access to (cudaDeviceEnablePeerAccess); anything else is an illegal address. A kernel launched on
+  a stream of another device fails as cuLaunchKernel does (CUDA_ERROR_INVALID_HANDLE).
 """
 
 from __future__ import annotations
@@ -54,27 +65,149 @@ _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy
 _lock = threading.RLock()
 
 
+# --------------------------------------------------------------------------------- devices, errors
+#: the CUDA runtime's error names and strings (cudaGetErrorName, cudaGetErrorString) of the errors
+#: the emulation raises
+_CUDA_ERRORS = {
+    1: ("cudaErrorInvalidValue", "invalid argument"),
+    101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+    201: ("cudaErrorDeviceUninitialized", "invalid device context"),
+    205: ("cudaErrorAlreadyMapped", "image is already mapped"),
+    217: ("cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices"),
+    400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    704: ("cudaErrorPeerAccessAlreadyEnabled", "peer access is already enabled"),
+    705: ("cudaErrorPeerAccessNotEnabled", "peer access has not been enabled"),
+}
+_ERROR_BY_NAME = {name: status for status, (name, _) in _CUDA_ERRORS.items()}
+#: the driver's (cuGetErrorName, cuGetErrorString)
+_CU_ERRORS = {400: ("CUDA_ERROR_INVALID_HANDLE", "invalid resource handle")}
+
+
+class CUDARuntimeError(RuntimeError):
+    """cupy_backends/cuda/api/runtime.pyx's: ``CUDARuntimeError(status)``, ``.status`` the cudaError_t,
+    str() "cudaErrorName: cudaGetErrorString". The emulation also raises it with a message of its own
+    that starts with the error's name ("cudaErrorInvalidValue: why"); ``.status`` is then that name's."""
+
+    def __init__(self, status) -> None:
+        self._arg = status
+        if isinstance(status, int):
+            self.status = status
+            name, text = _CUDA_ERRORS.get(status, ("cudaErrorUnknown", "unknown error"))
+            super().__init__(f"{name}: {text}")
+        else:
+            self.status = _ERROR_BY_NAME.get(str(status).split(":", 1)[0], 999)
+            super().__init__(status)
+
+    def __reduce__(self):
+        return (type(self), (self._arg,))
+
+
+class CUDADriverError(RuntimeError):
+    """cupy_backends/cuda/api/driver.pyx's (what CuPy's kernel launch, cuLaunchKernel, raises):
+    ``.status`` the CUresult, str() "CUDA_ERROR_NAME: cuGetErrorString"."""
+
+    def __init__(self, status: int) -> None:
+        self.status = int(status)
+        name, text = _CU_ERRORS.get(self.status, ("CUDA_ERROR_UNKNOWN", "unknown error"))
+        super().__init__(f"{name}: {text}")
+
+    def __reduce__(self):
+        return (type(self), (self.status,))
+
+
+def _device_count() -> int:
+    """cudaGetDeviceCount: RINGCOMM_EMULATED_DEVICES (default 1)."""
+    text = os.environ.get("RINGCOMM_EMULATED_DEVICES", "").strip() or "1"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"RINGCOMM_EMULATED_DEVICES={text!r}: expected a number of devices >= 1")
+    return n
+
+
+def _peer_rule():
+    """RINGCOMM_EMULATED_PEER_ACCESS: "all" (default), "none", or a list of groups ("0-1,2-3")."""
+    text = os.environ.get("RINGCOMM_EMULATED_PEER_ACCESS", "").strip().lower() or "all"
+    if text in ("all", "none"):
+        return text
+    groups = []
+    for part in text.split(","):
+        try:
+            groups.append({int(m) for m in part.strip().split("-")})
+        except ValueError:
+            raise ValueError(f"RINGCOMM_EMULATED_PEER_ACCESS={text!r}: expected all, none or groups of device "
+                             "ids joined by '-' and separated by ',' (e.g. 0-1,2-3)") from None
+    return groups
+
+
+def _check_device(device) -> int:
+    """A device ordinal, or CUDARuntimeError(cudaErrorInvalidDevice) as the CUDA runtime raises."""
+    device = int(device)
+    if not 0 <= device < _device_count():
+        raise CUDARuntimeError(101)
+    return device
+
+
+def _can_access(device: int, peer: int) -> bool:
+    """cudaDeviceCanAccessPeer's answer for valid ordinals; 0 for the device itself, as CUDA answers
+    (CuPy's device.pyx _enable_peer_access never asks it for device == peer)."""
+    if device == peer:
+        return False
+    rule = _peer_rule()
+    if rule in ("all", "none"):
+        return rule == "all"
+    return any(device in g and peer in g for g in rule)
+
+
+#: (device, peer): cudaDeviceEnablePeerAccess(peer) was called with device current (process-wide,
+#: as the primary contexts are)
+_peer_enabled: set[tuple[int, int]] = set()
+
+
+def _pci_bus_id(device: int) -> str:
+    """cudaDeviceGetPCIBusId's form, "[domain]:[bus]:[device].[function]" in hex."""
+    return f"0000:{device:02X}:00.0"
+
+
 # ----------------------------------------------------------------------------------- device memory
-_ctx = threading.local()
+_ctx = threading.local()  # per thread: .device (the current device), .current (the current context)
+
+
+def _current_device() -> int:
+    """cudaGetDevice: the calling thread's current device (0 until the thread sets one)."""
+    return getattr(_ctx, "device", 0)
 
 
 def _make_context_current() -> None:
-    """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the primary
-    context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a thread without one
-    fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
-    _ctx.current = True
+    """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the current
+    device's primary context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a
+    thread without one fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
+    _ctx.current = _current_device()
 
 
 def _has_context() -> bool:
-    return getattr(_ctx, "current", False)
+    return getattr(_ctx, "current", None) is not None
+
+
+def _set_device(device) -> None:
+    """cudaSetDevice: the thread's current device; it also makes its primary context current (CUDA 12+)."""
+    _ctx.device = _check_device(device)
+    _make_context_current()
 
 
 class _Allocation:
     """One shared-memory mapping: an allocation of this process, or a neighbour's opened by IPC."""
 
-    def __init__(self, size: int, name: str | None = None, ipc: bool = True, imported: bool = False) -> None:
+    def __init__(self, size: int, name: str | None = None, ipc: bool = True, imported: bool = False,
+                 exporter_device: int | None = None) -> None:
         self.size = max(int(size), 1)
         self.imported = imported
+        # the device it belongs to: the current one when it was allocated, or for an IPC mapping the
+        # one it was opened on; exporter_device: the device of the exporter's allocation
+        self.device = _current_device()
+        self.exporter_device = self.device if exporter_device is None else int(exporter_device)
         if name is None:
             name = f"/dev/shm/ringcomm-emu-{os.getpid()}-{next(_ids)}"
             with open(name, "wb") as f:
@@ -146,6 +279,20 @@ def _region(ptr: int, nbytes: int = 1) -> _Allocation:
     raise RuntimeError(f"emulated CUDA: address {ptr:#x} (+{nbytes} bytes) is not device memory")
 
 
+def _device_region(ptr: int, nbytes: int, device: int, what: str) -> _Allocation:
+    """The allocation of ``ptr`` for work on ``device`` (a kernel): refused unless it is memory of
+    ``device`` (an allocation made there or an IPC mapping opened there) or of a device that
+    ``device`` enabled peer access to. On a GPU the kernel would fault with an illegal address."""
+    a = _region(ptr, nbytes)
+    if a.device != device and (device, a.device) not in _peer_enabled:
+        kind = "an IPC mapping opened on device" if a.imported else "memory of device"
+        raise RuntimeError(
+            f"emulated CUDA: {what} on device {device} touches address {ptr:#x} (+{nbytes} bytes), {kind} "
+            f"{a.device}, and device {device} has no peer access to device {a.device}: an illegal memory "
+            "access on a GPU (cudaErrorIllegalAddress)")
+    return a
+
+
 def _is_device(ptr: int) -> bool:
     return any(base <= ptr < base + a.size for base, a in _regions.items())
 
@@ -163,56 +310,62 @@ class _PoolChunk:
     def __del__(self) -> None:
         try:
             self.block.live -= 1
-            _pool_free[(self.size, self.stream_ptr)].append((self.block, self.offset))
+            _pool_free[(self.block.device, self.size, self.stream_ptr)].append((self.block, self.offset))
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 
-_pool_free: dict[tuple[int, int], list] = collections.defaultdict(list)
-_pool_block: list = [None, 0]  # current block, bump offset
+_pool_free: dict[tuple[int, int, int], list] = collections.defaultdict(list)  # (device, size, stream)
+_pool_block: dict[int, list] = {}  # per device: current block, bump offset
 _pool_blocks: list[_Allocation] = []
 
 
 def _pool_alloc(nbytes: int) -> _PoolChunk:
+    """From the current device's pool (CuPy's MemoryPool keeps one SingleDeviceMemoryPool per device)."""
     size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
     stream = get_current_stream().ptr
     _make_context_current()
+    dev = _current_device()
     with _lock:
-        if _pool_free[(size, stream)]:
-            block, offset = _pool_free[(size, stream)].pop()
+        if _pool_free[(dev, size, stream)]:
+            block, offset = _pool_free[(dev, size, stream)].pop()
             return _PoolChunk(block, offset, size, stream)
-        block, used = _pool_block
+        block, used = _pool_block.get(dev, (None, 0))
         if block is None or used + size > block.size:
             ipc = os.environ.get("RINGCOMM_EMULATED_NO_IPC_POOL", "") != "1"
             block = _Allocation(max(_BLOCK, size), ipc=ipc)
             _pool_blocks.append(block)
             used = 0
-        _pool_block[:] = [block, used + size]
+        _pool_block[dev] = [block, used + size]
         return _PoolChunk(block, used, size, stream)
 
 
 class MemoryPool:
-    """cupy.cuda.MemoryPool's bookkeeping calls; free_all_blocks() frees every pool block none of
+    """cupy.cuda.MemoryPool's bookkeeping calls, each on the current device's pool (as CuPy's:
+    ``self._pools[device.get_device_id()]``); free_all_blocks() frees every pool block none of
     whose chunks is in use (CuPy frees free chunks that are whole allocations), as CuPy itself does
     before retrying an allocation that ran out of memory."""
 
     def free_all_blocks(self, stream=None) -> None:
+        dev = _current_device()
         with _lock:
-            idle = [b for b in _pool_blocks if b.live == 0]
+            idle = [b for b in _pool_blocks if b.live == 0 and b.device == dev]
             for b in idle:
                 _pool_blocks.remove(b)
                 for key in list(_pool_free):
                     _pool_free[key] = [(blk, off) for blk, off in _pool_free[key] if blk is not b]
-                if _pool_block[0] is b:
-                    _pool_block[:] = [None, 0]
+                if _pool_block.get(dev, [None])[0] is b:
+                    del _pool_block[dev]
                 b.free()
         _check_violations()
 
     def used_bytes(self) -> int:
-        return sum(b.size for b in _pool_blocks if b.live)
+        dev = _current_device()
+        return sum(b.size for b in _pool_blocks if b.live and b.device == dev)
 
     def total_bytes(self) -> int:
-        return sum(b.size for b in _pool_blocks)
+        dev = _current_device()
+        return sum(b.size for b in _pool_blocks if b.device == dev)
 
 
 _default_pool = MemoryPool()
@@ -227,6 +380,7 @@ class Memory:
 
     def __init__(self, size: int) -> None:
         _make_context_current()
+        self.device_id = _current_device()  # CuPy's Memory.device_id
         self._a = _Allocation(size)
         self.ptr, self.size = self._a.ptr, int(size)
 
@@ -238,14 +392,37 @@ class Memory:
 
 
 class UnownedMemory:
+    """CuPy's: ``device_id`` < 0 means the device of the pointer (cudaPointerGetAttributes; the
+    current device for host memory), which a null pointer does not have."""
+
     def __init__(self, ptr: int, size: int, owner: object, device_id: int = -1) -> None:
         self.ptr, self.size, self.owner = int(ptr), int(size), owner
+        if device_id < 0:
+            if self.ptr == 0:
+                raise RuntimeError("UnownedMemory requires explicit device ID for a null pointer.")
+            device_id = _device_of(self.ptr)
+        self.device_id = int(device_id)
+
+
+def _device_of(ptr: int) -> int:
+    """The device of the memory at ``ptr``; the current device for memory that is not device memory."""
+    for base, a in _regions.items():
+        if base <= ptr < base + a.size:
+            return a.device
+    return _current_device()
 
 
 class MemoryPointer:
     def __init__(self, mem: object, offset: int) -> None:
         self.mem, self.offset = mem, int(offset)
         self.ptr = mem.ptr + self.offset
+        self.device_id = getattr(mem, "device_id", None)
+        if self.device_id is None:  # a pool chunk
+            self.device_id = mem.block.device if hasattr(mem, "block") else _current_device()
+
+    @property
+    def device(self) -> Device:
+        return Device(self.device_id)
 
 
 class _Pinned(bytearray):
@@ -289,13 +466,15 @@ class Stream:
     """A lazy stream. Like CUDA's: work on a blocking stream (the default) runs after the work
     queued before it on the legacy null stream, and work on the null stream after the work queued
     before it on every blocking stream; ``non_blocking=True`` streams are not ordered with the null
-    stream."""
+    stream. ``device_id``: the device current when it was made (CuPy's Stream.device_id; -1 for the
+    null stream, which is every device's)."""
 
     _by_ptr: dict[int, Stream] = {}
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.ptr = 0 if null else next(_ids)
         self.blocking = not non_blocking and not null
+        self.device_id = -1 if null or ptds else _current_device()
         self._queue: collections.deque = collections.deque()
         Stream._by_ptr[self.ptr] = self
 
@@ -308,8 +487,9 @@ class Stream:
         return m
 
     def _enqueue(self, fn) -> None:
-        if self.ptr == 0:
-            before = [s for s in list(Stream._by_ptr.values()) if s.blocking]
+        if self.ptr == 0:  # the current device's null stream: after that device's blocking streams
+            dev = _current_device()
+            before = [s for s in list(Stream._by_ptr.values()) if s.blocking and s.device_id == dev]
         else:
             before = [Stream.null] if self.blocking else []
         for s in before:
@@ -342,15 +522,20 @@ class Stream:
             self._enqueue(_Wait(event._stream, event._marker))
 
     def use(self) -> Stream:
-        _current[:] = [self]
+        _current[_stream_device(self)][:] = [self]
         return self
 
     def __enter__(self) -> Stream:
-        _current.append(self)
+        dev = _stream_device(self)
+        _current[dev].append(self)
+        _current_devices.append(dev)  # CuPy records the device, to pop the right stream at exit
         return self
 
     def __exit__(self, *exc) -> None:
-        _current.pop()
+        _current[_current_devices.pop()].pop()
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.ptr} (device {self.device_id})>"
 
     @property
     def done(self) -> bool:
@@ -359,7 +544,19 @@ class Stream:
 
 
 Stream.null = Stream(null=True)
-_current: list[Stream] = []
+#: per device: the current streams (the last one is current); not per thread here, unlike CuPy's
+_current: dict[int, list[Stream]] = collections.defaultdict(list)
+_current_devices: list[int] = []
+
+
+def _stream_device(stream: Stream) -> int:
+    """CuPy's stream.pyx check_stream_device_match, run by Stream.use() and ``with stream``."""
+    cur = _current_device()
+    dev = cur if stream.device_id == -1 else stream.device_id
+    if dev != cur:
+        raise RuntimeError(f"The device that the stream is created on ({dev}) does not match with the current "
+                           f"device ({cur})")
+    return dev
 
 
 def ExternalStream(ptr: int, device_id: int = -1) -> Stream:  # noqa: N802 - CuPy's class
@@ -379,8 +576,10 @@ def _stall(stream: Stream) -> None:
     stream._queue.append(_Stall())
 
 
-def get_current_stream() -> Stream:
-    return _current[-1] if _current else Stream.null
+def get_current_stream(device_id: int = -1) -> Stream:
+    """The current stream of the device ``device_id`` (default: the current device)."""
+    dev = _current_device() if device_id == -1 else int(device_id)
+    return _current[dev][-1] if _current[dev] else Stream.null
 
 
 def _flush_all() -> None:
@@ -388,13 +587,28 @@ def _flush_all() -> None:
         s._flush(s._mark())
 
 
+def _flush_device(device: int) -> None:
+    """cudaDeviceSynchronize on ``device``: its streams and the null stream."""
+    for s in list(Stream._by_ptr.values()):
+        if s.device_id in (device, -1):
+            s._flush(s._mark())
+
+
 class Event:
+    """``device_id``: the device current when it was made (cudaEventCreate's). Recording it on a
+    stream of another device fails with cudaErrorInvalidResourceHandle: "cudaEventRecord() will fail
+    if the input event and input stream are associated to different devices" (CUDA C++ Programming
+    Guide, Stream and Event Behavior); waiting for it from another device's stream is allowed."""
+
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
         self._stream = None
         self._marker = None
+        self.device_id = _current_device()
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else get_current_stream()
+        if (_current_device() if stream.device_id == -1 else stream.device_id) != self.device_id:
+            raise CUDARuntimeError(400)
         marker = _Marker()
         stream._enqueue(marker)
         self._stream, self._marker = stream, marker
@@ -415,27 +629,57 @@ class Event:
 
 
 class Device:
+    """cupy/cuda/device.pyx's Device. As there, the constructor does not check the ordinal (an invalid
+    one fails at use(), ``with``, pci_bus_id, ... with cudaErrorInvalidDevice); ``with Device(i)``
+    makes i current and restores the thread's previous device at exit (a per-thread stack)."""
+
     def __init__(self, device: int | None = None) -> None:
-        self.id = 0 if device is None else int(device)
-        if self.id != 0:
-            raise RuntimeError("emulated CUDA has one device")
+        self.id = _current_device() if device is None else int(device)
 
-    def use(self) -> None:
-        _make_context_current()  # cudaSetDevice initialises the primary context (CUDA 12+)
+    def __int__(self) -> int:
+        return self.id
 
-    #: one emulated GPU per node: every rank of a node sees the same PCI bus id (the shared-GPU test)
-    pci_bus_id = "0000:00:00.0"
-    compute_capability = "90"
+    def __repr__(self) -> str:
+        return f"<CUDA Device {self.id}>"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Device) and self.id == other.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def use(self) -> Device:
+        _set_device(self.id)  # cudaSetDevice initialises the primary context (CUDA 12+)
+        return self
+
+    @property
+    def pci_bus_id(self) -> str:
+        """Device i: "0000:<i>:00.0" (device 0's is the same in every process: ranks on device 0 share
+        one GPU, the shared-GPU test)."""
+        return _deviceGetPCIBusId(self.id)
+
+    @property
+    def compute_capability(self) -> str:
+        _check_device(self.id)
+        return "90"
 
     def synchronize(self) -> None:
-        _flush_all()
+        _flush_device(_check_device(self.id))
 
     def __enter__(self) -> Device:
-        _make_context_current()
+        prev = _current_device()
+        stack = _ctx.__dict__.setdefault("device_stack", [])
+        stack.append(prev)
+        if self.id != prev:
+            _set_device(self.id)
+        else:
+            # CuPy calls no cudaSetDevice here; the emulation still makes the context current, as it
+            # did when it had one device (ringcomm relies on it before driver calls)
+            _make_context_current()
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        _set_device(_ctx.device_stack.pop())
 
 
 # -------------------------------------------------------------------------------------- ndarray
@@ -459,6 +703,10 @@ class ndarray:
 
     itemsize = property(lambda self: self.dtype.itemsize)
     ndim = property(lambda self: len(self.shape))
+
+    @property
+    def device(self) -> Device:
+        return Device(self.data.device_id)
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -597,7 +845,8 @@ def asarray(a, dtype=None) -> ndarray:
         dt = np.dtype(cai["typestr"])
         n = int(np.prod(cai["shape"], dtype=np.int64))
         ptr = cai["data"][0]
-        return ndarray(cai["shape"], dt, MemoryPointer(UnownedMemory(ptr, n * dt.itemsize, a), 0))
+        mem = UnownedMemory(ptr, n * dt.itemsize, a, _device_of(ptr) if ptr else _current_device())
+        return ndarray(cai["shape"], dt, MemoryPointer(mem, 0))
     host = np.array(a, dtype=dtype, order="C")  # a private copy: the transfer is queued
     out = ndarray(host.shape, host.dtype)
     if host.size:  # cudaMemcpyAsync on the current stream, as CuPy's ndarray.set does
@@ -673,7 +922,7 @@ def from_dlpack(array, *, device=None, copy=None) -> ndarray:
         if any(t.strides[i] != want[i] for i in range(t.ndim) if shape[i] > 1):
             raise NotImplementedError("emulated cupy: from_dlpack of a non-C-contiguous tensor")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    mem = UnownedMemory((t.data or 0) + t.byte_offset, nbytes, owner)
+    mem = UnownedMemory((t.data or 0) + t.byte_offset, nbytes, owner, t.device_id)  # CuPy: the DLPack device
     return ndarray(shape, dtype, MemoryPointer(mem, 0))
 
 
@@ -759,13 +1008,24 @@ class _Kernel:
         nthreads = int(np.prod(grid)) * int(np.prod(block))
         if int(np.prod(block)) != 512:
             raise RuntimeError(f"{self.name}: launched with {block} threads per block, the kernels need 512")
+        dev = _current_device()
+        stream = stream if stream is not None else get_current_stream()
+        if stream.device_id not in (-1, dev):
+            # "A kernel launch will fail if it is issued to a stream that is not associated to the
+            # current device" (CUDA C++ Programming Guide, Stream and Event Behavior): cuLaunchKernel
+            # returns CUDA_ERROR_INVALID_HANDLE, which CuPy raises as CUDADriverError
+            raise CUDADriverError(400)
+
+        def touch(ptr: int, nbytes: int) -> None:  # every pointer: device memory this device may access
+            _device_region(ptr, nbytes, dev, f"kernel {self.name}")
+
         vals = [int(a) if not isinstance(a, (np.floating, float)) else float(a) for a in args]
         parts = self.name.split("_")
         if self.kind == "reduce":
             dst, a, b, n, use_div, div = vals
             item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
             for p in (dst, a, b):
-                _region(p, n * item)
+                touch(p, n * item)
 
             def run() -> None:
                 rc = _lib().rc_host_reduce(_DT.index(parts[3]), _OPS.index(parts[2]), dst, a, b, n, use_div, div,
@@ -780,7 +1040,7 @@ class _Kernel:
                 dst, a, b, n, *rest = vals
                 spans = ((dst, 2 if self.kind == "acc_final" else 4), (a, 2), (b, 4))
             for p, item in spans:
-                _region(p, n * item)
+                touch(p, n * item)
             op = _OPS.index(parts[-2]) if self.kind != "widen" else 0
 
             def run() -> None:
@@ -794,8 +1054,8 @@ class _Kernel:
                 assert rc == 0
         elif self.kind == "copy":
             dst, src, nbytes = vals
-            _region(dst, nbytes)
-            _region(src, nbytes)
+            touch(dst, nbytes)
+            touch(src, nbytes)
 
             def run() -> None:
                 _lib().rc_host_copy(dst, src, nbytes, nthreads)
@@ -804,7 +1064,7 @@ class _Kernel:
             pd, gd, od = parts[2], parts[3], parts[4]
             sizes = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
             for ptr, dt in ((p, pd), (g, gd), (m, pd), (v, pd)) + (((out, od),) if od != "none" else ()):
-                _region(ptr, n * sizes[dt])
+                touch(ptr, n * sizes[dt])
             s = np.array(scalars, np.float64)
 
             def run() -> None:
@@ -818,7 +1078,7 @@ class _Kernel:
             if bad:
                 raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
 
-        (stream if stream is not None else get_current_stream())._enqueue(checked)
+        stream._enqueue(checked)
 
 
 class RawModule:
@@ -839,8 +1099,58 @@ class RawModule:
 
 
 # ------------------------------------------------------------------------------------- cuda.runtime
-class CUDARuntimeError(RuntimeError):
-    pass
+# CuPy's signatures (cupy_backends/cuda/api/runtime.pyx); the errors are the CUDA runtime's
+
+def _deviceCanAccessPeer(device: int, peerDevice: int) -> int:
+    """cudaDeviceCanAccessPeer: 1 or 0 (RINGCOMM_EMULATED_PEER_ACCESS); 0 for device == peerDevice;
+    cudaErrorInvalidDevice for an invalid ordinal."""
+    return int(_can_access(_check_device(device), _check_device(peerDevice)))
+
+
+def _deviceEnablePeerAccess(peerDevice: int) -> None:
+    """cudaDeviceEnablePeerAccess(peerDevice, 0) from the current device: cudaErrorInvalidDevice when
+    cudaDeviceCanAccessPeer says it cannot (so also for the current device itself),
+    cudaErrorPeerAccessAlreadyEnabled when it is enabled already (CUDA Runtime API, Peer Device
+    Memory Access)."""
+    peer, cur = _check_device(peerDevice), _current_device()
+    if not _can_access(cur, peer):
+        raise CUDARuntimeError(101)
+    if (cur, peer) in _peer_enabled:
+        raise CUDARuntimeError(704)
+    _make_context_current()
+    _peer_enabled.add((cur, peer))
+
+
+def _deviceDisablePeerAccess(peerDevice: int) -> None:
+    """cudaDeviceDisablePeerAccess: cudaErrorPeerAccessNotEnabled when it was not enabled."""
+    peer, cur = _check_device(peerDevice), _current_device()
+    if (cur, peer) not in _peer_enabled:
+        raise CUDARuntimeError(705)
+    _peer_enabled.discard((cur, peer))
+
+
+def _deviceGetPCIBusId(device: int) -> str:
+    """CuPy's runtime.deviceGetPCIBusId(int device) -> str (cudaDeviceGetPCIBusId)."""
+    return _pci_bus_id(_check_device(device))
+
+
+def _deviceGetByPCIBusId(pci_bus_id: str) -> int:
+    """CuPy's runtime.deviceGetByPCIBusId(str) -> int: cudaErrorInvalidDevice for an unknown bus id."""
+    for dev in range(_device_count()):
+        if _pci_bus_id(dev).lower() == str(pci_bus_id).strip().lower():
+            return dev
+    raise CUDARuntimeError(101)
+
+
+def _deviceGetAttribute(attrib: int, device: int) -> int:
+    device = _check_device(device)
+    return {16: _SM_COUNT, 75: 9, 76: 0}.get(int(attrib), 0)  # SMs, compute capability 9.0
+
+
+def _getDeviceProperties(device: int) -> dict:
+    device = _check_device(device)
+    return {"name": b"Emulated GPU (CPU stand-in)", "multiProcessorCount": _SM_COUNT, "major": 9, "minor": 0,
+            "totalGlobalMem": 1 << 34, "pciBusID": device, "pciDeviceID": 0, "pciDomainID": 0}
 
 
 _opened: dict[bytes, int] = {}
@@ -852,20 +1162,35 @@ def _ipcGetMemHandle(ptr: int) -> bytes:
         raise CUDARuntimeError("cudaErrorInvalidValue: not the base of an allocation of this process")
     if not a.ipc:
         raise CUDARuntimeError("cudaErrorInvalidValue: allocation not exportable")
-    handle = f"{os.getpid()}:{a.size}:{a.name}".encode()
+    handle = f"{os.getpid()}:{a.device}:{a.size}:{a.name}".encode()  # the exporter's device too
     if len(handle) > 64:
         raise CUDARuntimeError("emulated handle too long")
     return handle.ljust(64, b"\0")
 
 
 def _ipcOpenMemHandle(handle: bytes, flags: int = 1) -> int:
-    pid, size, name = handle.rstrip(b"\0").decode().split(":", 2)
+    """cudaIpcOpenMemHandle on the current device (CuPy's default flags: cudaIpcMemLazyEnablePeerAccess).
+    Memory of another device maps only if the current device can access it: else
+    cudaErrorPeerAccessUnsupported ("peer access is not supported between these two devices", what
+    cudaIpcOpenMemHandle(..., cudaIpcMemLazyEnablePeerAccess) returns between devices without P2P, as
+    reported in NVIDIA/TensorRT-LLM#1498). Without the lazy flag, peer access must have been enabled
+    (cudaDeviceEnablePeerAccess): else cudaErrorPeerAccessNotEnabled (the emulation's choice: CUDA's
+    documentation names no error for it)."""
+    pid, exporter, size, name = handle.rstrip(b"\0").decode().split(":", 3)
+    if int(flags) not in (0, cudaIpcMemLazyEnablePeerAccess):
+        raise CUDARuntimeError(1)
     if int(pid) == os.getpid():
         raise CUDARuntimeError("cudaErrorDeviceUninitialized: a process cannot open its own IPC handle")
     if handle in _opened:
         raise CUDARuntimeError("cudaErrorAlreadyMapped: handle already opened in this process")
+    dev, exporter = _current_device(), int(exporter)
+    if exporter != dev:
+        if not (0 <= exporter < _device_count() and _can_access(dev, exporter)):
+            raise CUDARuntimeError(217)
+        if not int(flags) & cudaIpcMemLazyEnablePeerAccess and (dev, exporter) not in _peer_enabled:
+            raise CUDARuntimeError(705)
     _make_context_current()
-    a = _Allocation(int(size), name=name, imported=True)
+    a = _Allocation(int(size), name=name, imported=True, exporter_device=exporter)
     _opened[handle] = a.ptr
     marker = _open_markers[handle] = f"{name}.open-{os.getpid()}"  # seen by the exporter's cudaFree
     open(marker, "wb").close()
@@ -886,9 +1211,14 @@ def _ipcCloseMemHandle(ptr: int) -> None:
 
 
 _open_markers: dict[bytes, str] = {}
+cudaIpcMemLazyEnablePeerAccess = 1
 
 
 def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> None:
+    """cudaMemcpyAsync. Unlike a kernel, a copy may use a stream of another device and memory of any
+    device ("A memory copy will succeed even if it is issued to a stream that is not associated to
+    the current device", CUDA C++ Programming Guide, Stream and Event Behavior; with unified
+    addressing CUDA copies between devices without peer access, through the host): not refused."""
     if kind == 2:  # device to host
         _region(src, size)
         assert not _is_device(dst), "memcpyDeviceToHost into device memory"
@@ -902,17 +1232,23 @@ def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> N
 
 
 runtime = types.SimpleNamespace(
-    getDevice=lambda: 0, getDeviceCount=lambda: 1, cudaDevAttrMultiProcessorCount=16,
-    deviceGetAttribute=lambda attr, dev: _SM_COUNT if attr == 16 else 0,
+    getDevice=_current_device, setDevice=_set_device, getDeviceCount=_device_count,
+    deviceCanAccessPeer=_deviceCanAccessPeer, deviceEnablePeerAccess=_deviceEnablePeerAccess,
+    deviceDisablePeerAccess=_deviceDisablePeerAccess, deviceGetPCIBusId=_deviceGetPCIBusId,
+    deviceGetByPCIBusId=_deviceGetByPCIBusId, cudaDevAttrMultiProcessorCount=16,
+    deviceGetAttribute=_deviceGetAttribute,
     memcpyAsync=_memcpyAsync, memcpyDeviceToHost=2, memcpyHostToDevice=1, memcpyDeviceToDevice=3,
     ipcGetMemHandle=_ipcGetMemHandle, ipcOpenMemHandle=_ipcOpenMemHandle, ipcCloseMemHandle=_ipcCloseMemHandle,
-    CUDARuntimeError=CUDARuntimeError, deviceSynchronize=_flush_all,
+    cudaIpcMemLazyEnablePeerAccess=cudaIpcMemLazyEnablePeerAccess,
+    CUDARuntimeError=CUDARuntimeError, deviceSynchronize=lambda: _flush_device(_current_device()),
+    # CuPy's aliases of cudaError_t values
+    errorInvalidValue=1, errorPeerAccessAlreadyEnabled=704, errorInvalidResourceHandle=400,
     # versions encoded as CUDA does (1000 * major + 10 * minor); the properties ringcomm.bench prints
     runtimeGetVersion=lambda: 13000, driverGetVersion=lambda: 13000,
-    getDeviceProperties=lambda dev: {"name": b"Emulated GPU (CPU stand-in)", "multiProcessorCount": _SM_COUNT,
-                                     "major": 9, "minor": 0, "totalGlobalMem": 1 << 34, "pciBusID": 0},
+    getDeviceProperties=_getDeviceProperties,
 )
-driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2)
+driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2,
+                               CUDADriverError=CUDADriverError)
 
 
 cuda = types.SimpleNamespace(

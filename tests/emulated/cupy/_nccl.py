@@ -12,8 +12,8 @@ would against the real one:
   a ValueError (the wording is ours). Creation is collective over the ``ndev`` ranks that pass the
   same id, as ncclCommInitRank is; the id names a rendezvous in /dev/shm, then the ranks make an MPI
   communicator of their own (``MPI_Comm_create_group``: only they take part).
-- The GPU check of ncclCommInitRank: several ranks on one GPU (here: on one host, since the
-  emulation has one GPU per node) are refused with ncclInvalidUsage ("Duplicate GPU detected" in
+- The GPU check of ncclCommInitRank: several ranks on one GPU (here: on one host with the same
+  current device, whose PCI bus id they share) are refused with ncclInvalidUsage ("Duplicate GPU detected" in
   NCCL's WARN log) before NCCL 2.30, and from 2.30 unless NCCL_MULTI_RANK_GPU_ENABLE=1.
 - ``get_version()`` / ``get_build_version()``: NCCL's version code (major*10000 + minor*100 + patch),
   2.30.7 unless RINGCOMM_EMULATED_NCCL_VERSION says otherwise ("2.27.7" or "22707").
@@ -44,7 +44,7 @@ import zlib
 
 import numpy as np
 
-from . import Stream, _region
+from . import Stream, _current_device, _region
 
 available = True
 
@@ -197,6 +197,7 @@ class NcclCommunicator:
         if len(commId) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"commId must be {NCCL_UNIQUE_ID_BYTES} bytes long (the ncclUniqueId), got {len(commId)}")
         ndev, rank = int(ndev), int(rank)
+        self._device = _current_device()  # ncclCommInitRank binds the communicator to the current device
         if ndev < 1 or not 0 <= rank < ndev:
             _fail(ncclInvalidArgument, f"ncclCommInitRank: rank {rank} is not in [0, {ndev})")
         text = commId.rstrip(b"\0")
@@ -308,8 +309,9 @@ class NcclCommunicator:
         return self._mpi
 
     def device_id(self) -> int:
+        """ncclCommCuDevice: the device that was current at ncclCommInitRank."""
         self._alive()
-        return 0
+        return self._device
 
     def rank_id(self) -> int:
         self._alive()
@@ -411,18 +413,21 @@ class NcclCommunicator:
         if not 0 <= int(root) < self._size:
             _fail(ncclInvalidArgument, f"invalid root/peer {root} (nranks {self._size})")
 
-    @staticmethod
-    def _view(ptr: int, count: int, dt: np.dtype) -> np.ndarray:
-        """A numpy view of ``count`` elements of emulated device memory at ``ptr``."""
+    def _view(self, ptr: int, count: int, dt: np.dtype) -> np.ndarray:
+        """A numpy view of ``count`` elements of emulated device memory at ``ptr``, which must be
+        memory of the communicator's device (NCCL's CudaPtrCheck, src/misc/argcheck.cc)."""
         import ctypes
 
         nbytes = int(count) * dt.itemsize
         if nbytes == 0:
             return np.empty(0, dt)
         try:
-            _region(int(ptr), nbytes)
+            a = _region(int(ptr), nbytes)
         except RuntimeError as e:
             _fail(ncclInvalidArgument, f"{e} (NCCL needs device memory)")
+        if a.device != self._device:
+            _fail(ncclInvalidArgument, f"buffer {int(ptr):#x} allocated on device {a.device} mismatchs with NCCL "
+                  f"device {self._device}")
         raw = (ctypes.c_uint8 * nbytes).from_address(int(ptr))
         return np.frombuffer(raw, np.uint8).view(dt)
 

@@ -7,6 +7,9 @@ As on a GPU, a call from a thread with no current CUDA context (no allocation, c
 ``with cupy.cuda.Device(...)`` on that thread yet) returns CUDA_ERROR_INVALID_CONTEXT.
 ``RINGCOMM_EMULATED_DRIVER_FAIL=<function name>[,...]``: those functions return
 CUDA_ERROR_INVALID_VALUE, to test how callers handle a failing driver.
+With several emulated devices (RINGCOMM_EMULATED_DEVICES), pointer queries answer for memory of any
+device from any current context (unified addressing), and CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL is the
+device the memory belongs to.
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ def cuPointerGetAttribute(attribute, ptr):  # noqa: N802
     if attr == CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
         return CUresult.CUDA_SUCCESS, bool(a.ipc and not a.imported)
     if attr == CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
-        return CUresult.CUDA_SUCCESS, 0
+        # the device the memory belongs to: where it was allocated; for an IPC mapping, the device
+        # it was opened on (its context's), which is also what NCCL's pointer check compares
+        return CUresult.CUDA_SUCCESS, a.device
     return CUresult.CUDA_ERROR_INVALID_VALUE, None
 
 
