@@ -10,10 +10,8 @@ and dtype must stay bitwise the host path's and identical on all ranks.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from conftest import make_comm, require_gpu
-from mpi4py import MPI
 
 cupy, _ngpu = require_gpu()
 
