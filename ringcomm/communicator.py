@@ -184,6 +184,13 @@ class Communicator:
         collective (the ranks exchange what their GPUs can reach), as a first collective is."""
         return self._transport(collectives.classify(array, "array")[0]).name
 
+    def ring_edges(self, array: Any) -> tuple[tuple[int, int, str], ...]:
+        """Every edge of the ring for arrays like ``array``, as (sender, receiver, transport) in ring
+        order from the edge into ``ring[0]`` (as this rank knows them; collective on the first call
+        for GPU arrays, as transport_name)."""
+        edges = self._transport(collectives.classify(array, "array")[0]).current()
+        return tuple((self.ring[p - 1], self.ring[p], edges[p]) for p in range(self.size))
+
     def edge_transport(self, array: Any) -> str:
         """The name of the transport on this rank's receiving edge (``left`` -> this rank) for
         arrays like ``array``; collective on its first call for GPU arrays, as transport_name."""

@@ -229,3 +229,26 @@ def test_time_sliced_nccl_is_marked():
         os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
         if before is not None:
             os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = before
+
+
+@emulated_gpu
+def test_bench_shows_the_ring_and_every_edge_transport(gpu_env, tmp_path):
+    """4 ranks as 2 simulated nodes x 2 emulated GPUs (peer access): IPC inside each node, staged
+    between them; the header and the JSON name the ring and each edge's transport."""
+    path = tmp_path / "bench.json"
+    cmd = ["mpiexec", "-n", "4", "python", "-m", "ringcomm.bench", "--device", "cuda", "--impl", "ringcomm,mpi",
+           "--timeout", "60", "-c", "all_reduce", *SWEEP, "--json", str(path)]
+    env = {**gpu_env, "RINGCOMM_NODES": "a,a,b,b", "RINGCOMM_EMULATED_DEVICES": "2",
+           "RINGCOMM_EMULATED_PEER_ACCESS": "all"}
+    run = run_emulated(env, cmd, 240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    head = _header(run.stdout)
+    assert head[0].endswith("transport mixed"), head
+    assert "# Ring: 0 -ipc-> 1 -staged-> 2 -ipc-> 3 -staged-> (0)  (nodes: a,a,b,b)" in head, head
+    (table,) = parse_tables(run.stdout)
+    assert table.status == "OK" and table.wrong == 0
+    doc = json.loads(path.read_text())["environment"]
+    assert doc["ring"] == [0, 1, 2, 3] and doc["node_labels"] == ["a", "a", "b", "b"]
+    assert doc["transport"] == "mixed"
+    assert [(e["from"], e["to"], e["transport"]) for e in doc["edges"]] == [
+        (3, 0, "staged"), (0, 1, "ipc"), (1, 2, "staged"), (2, 3, "ipc")]

@@ -340,10 +340,14 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     probe = xp.empty(16, plan.dtypes[0])
     ring = next((i for i in impls if i.name == "ringcomm"), None)
     transport = comm.transport_name(probe) if ring is not None else "n/a (ringcomm not run)"
+    edges = comm.ring_edges(probe) if ring is not None else ()
     ranks = env.gather_strings(comm, env.describe_rank(comm, device, cupy))
     st = plan.settings
     out(f"# ringcomm.bench: {comm.size} ranks, {nodes} node(s), {per_node} rank(s) per node, device {device}, "
         f"transport {transport}")
+    if edges:
+        out("# Ring: " + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1]) + f" ({comm.ring[0]})"
+            + f"  (nodes: {','.join(comm.nodes)})")
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")
     out(f"# Time: {st.describe()}")
@@ -372,7 +376,8 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     for line in ranks:
         out(f"#  {line}")
     return {"ranks": comm.size, "nodes": nodes, "ranks_per_node": per_node, "device": device,
-            "transport": transport, "versions": vers, "time": st.describe(), "ranks_detail": ranks,
+            "transport": transport, "ring": list(comm.ring), "node_labels": list(comm.nodes),
+            "edges": [{"from": a, "to": b, "transport": t} for a, b, t in edges], "versions": vers, "time": st.describe(), "ranks_detail": ranks,
             "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls}, "notes": notes,
             "footnotes": footnotes, "argv": plan.argv}
 
