@@ -20,6 +20,8 @@
 # 4. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
 # 5. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py);
 # 6. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
+#    then all_reduce busbw of ipc, ipc-stream (RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks on the one GPU,
+#    64 KiB to 1 GiB (bench_<transport>_n<N>.json);
 # 7. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
 # Each step has a limit (PLAN below); the limits and the set-up's add up to at most the budget, so no step is
 # cut short or skipped for time; a failed step does not stop the others. The summary table comes last; the exit
@@ -45,15 +47,16 @@ BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 # Every step's limit in seconds (first guesses: nothing has run on a GPU yet; the summary prints what each took).
 # The set-up's own commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, probe 15: 43 s).
 PLAN=(
-    "setup 45"
-    "compile 30"
-    "tests N=1 60"
-    "tests N=2 55"
-    "kernel bench 30"
-    "allreduce ipc vs staged 30"
-    "ringcomm-bench 75"
-    "tests N=3,4 65"
-    "zero GPU tests 30"
+    "setup 40"
+    "compile 25"
+    "tests N=1 50"
+    "tests N=2 50"
+    "kernel bench 25"
+    "allreduce ipc vs staged 20"
+    "ringcomm-bench 55"
+    "ipc-stream bench 75"
+    "tests N=3,4 55"
+    "zero GPU tests 25"
 )
 declare -A LIMIT=()
 TOTAL=0
@@ -263,6 +266,17 @@ step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.
 step "ringcomm-bench" bash -o pipefail -c "RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
     --impl ringcomm,nccl,mpi -b 8 -e 64M --time-budget 1 --timeout 40 --json '$OUTDIR/bench.json' | tee '$OUTDIR/bench.txt'"
 
+# ipc and ipc-stream (the step handshake on the GPU's streams) beside NCCL, 2 and 4 ranks, 64 KiB..1 GiB
+step "ipc-stream bench" bash -o pipefail -c "
+for n in 2 4; do
+  for t in ipc ipc-stream; do
+    impl=ringcomm; [ \$t = ipc ] && impl=ringcomm,nccl
+    RINGCOMM_TRANSPORT=\$t RINGCOMM_TIMEOUT=20 mpiexec -n \$n $PY -m ringcomm.bench --device cuda --impl \$impl \\
+      -b 64K -e 1G -f 4 -n 10 -w 2 --time-budget 0.4 --timeout 25 --json '$OUTDIR'/bench_\${t}_n\$n.json \\
+      > '$OUTDIR'/bench_\${t}_n\$n.txt || exit 1
+  done
+done"
+
 # ------------------------------------------------------------------- 7. N = 3, 4, and ZeRO on the GPU
 run_tests "tests N=3,4" "parallel[3] or parallel[4]"
 run_tests "zero GPU tests" "" tests/test_zero_gpu.py
@@ -334,6 +348,27 @@ if os.path.exists(bj):
             print(f"  {size:>10} " + " ".join(f"{c:>17}" for c in cells))
     wrong = sum(g.get("wrong") or 0 for r in doc["rows"] for g in r["results"].values())
     print(f"  wrong elements over every row: {wrong}")
+cols, table, wrong = [], {}, 0
+for n in (2, 4):
+    for t in ("ipc", "ipc-stream"):
+        path = os.path.join(out, f"bench_{t}_n{n}.json")
+        if not os.path.exists(path):
+            continue
+        for r in json.load(open(path))["rows"]:
+            if r["collective"] != "all_reduce":
+                continue
+            name = f"N={n} {t if r['impl'] == 'ringcomm' else r['impl'] + r.get('mark', '')}"
+            if name not in cols:
+                cols.append(name)
+            g = r["results"]["out-of-place"]
+            table.setdefault(r["size"], {})[name] = g.get("busbw")
+            wrong += sum(x.get("wrong") or 0 for x in r["results"].values())
+if cols:
+    print("all_reduce busbw GB/s out-of-place, ranks sharing the one GPU (ringcomm over ipc / ipc-stream, NCCL):")
+    print(f"  {'size':>10} " + " ".join(f"{c:>16}" for c in cols))
+    for size in sorted(table):
+        print(f"  {size:>10} " + " ".join(f"{table[size].get(c) or float('nan'):16.1f}" for c in cols))
+    print(f"  wrong elements over these rows: {wrong}")
 EOF
     echo "logs and JSON: $OUTDIR"
 } 2>&1 | tee -a "$LOG" | tee "$OUTDIR/summary.txt"

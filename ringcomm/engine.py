@@ -26,7 +26,7 @@ class Context:
     and the call's identity: its root and number (set by the Communicator when the call starts)
     and the base MPI tag of its messages (:meth:`identity`; None for set-up waits)."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc", "wide")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc", "wide", "sends")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -43,12 +43,73 @@ class Context:
         #: partial sums of the reduce-scatter phase live and travel (None otherwise)
         self.acc: Any = None
         self.wide = False  # accumulate="float32" on a half type (part of the call's identity)
+        #: (steps, where each step's data comes from: engine.bind), set by execute() before the halves begin
+        self.sends: tuple = ((), ())
 
     def identity(self) -> int:
         """The base MPI tag of this call's messages (ringcomm.tags), made on first use."""
         if self.tag is None:
             self.tag = self.comm._layout.base(self.collective, self.dtype, self.op, self.root, self.call, self.wide)
         return self.tag
+
+
+#: which of a call's buffers a step reads (engine.bind)
+SRC, WORK, ACC = 0, 1, 2
+
+
+def bind(steps: Sequence[Step], nchunks: int, in_place: bool, wide: bool) -> tuple[tuple, tuple[bool, ...]]:
+    """Where each step's data comes from, worked out once per schedule (no arrays involved).
+
+    Returns ``(bound, written)``: per step ``(send_from, widen_from, local_from)`` -- the buffer the
+    outgoing chunk is read from (SRC, WORK or ACC; None: nothing sent), the buffer this rank's own
+    data is first widened from into ACC before it is sent (``wide``, accumulate="float32"; None
+    otherwise), and the buffer a reduce step combines with the incoming chunk (SRC or WORK) -- and
+    per chunk whether some step wrote it into ``work`` (the others come from ``src`` at the end).
+
+    A chunk is read from work once this rank has written it in this call (from the start when
+    ``in_place``: work is src), from src before that. With ``wide`` a chunk that is not final lives
+    in ACC as a float32 partial sum once a reduce step wrote it there, and travels from ACC.
+    Cached per step list (the schedule's are cached tuples: looked up by identity, not hashed).
+    """
+    key = (id(steps), nchunks, in_place, wide)
+    hit = _bound.get(key)
+    if hit is not None and hit[0] is steps:
+        return hit[1]
+    if len(_bound) >= BIND_LIMIT:
+        _bound.clear()
+    result = _bind(steps, nchunks, in_place, wide)
+    _bound[key] = (steps, result)
+    return result
+
+
+#: bind()'s cache: (id(steps), nchunks, in_place, wide) -> (steps, result); the steps are kept so
+#: that their id stays theirs
+_bound: dict[tuple, tuple] = {}
+BIND_LIMIT = 1024
+
+
+def _bind(steps: Sequence[Step], nchunks: int, in_place: bool, wide: bool) -> tuple[tuple, tuple[bool, ...]]:
+    written = [in_place] * nchunks
+    partial = [False] * nchunks  # wide: the chunk's value is a float32 partial in ACC
+    final = [False] * nchunks  # wide: the chunk holds the call's result in work
+    bound = []
+    for st in steps:
+        send_from = widen_from = local_from = None
+        if st.send is not None:
+            c = st.send
+            send_from = WORK if written[c] else SRC
+            if wide and not final[c]:
+                widen_from = None if partial[c] else send_from  # this rank's own data travels in float32
+                send_from = ACC
+        if st.recv is not None:
+            c = st.recv
+            local_from = WORK if written[c] else SRC
+            if not wide or not st.reduce or st.final:
+                written[c] = final[c] = True
+            else:
+                partial[c] = True
+        bound.append((send_from, widen_from, local_from))
+    return tuple(bound), tuple(written)
 
 
 def execute(
@@ -66,6 +127,8 @@ def execute(
     (``link.send``, the edge to the right); ringcomm.transports. ``bounds``: the chunks by ring
     place. ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is
     copied from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
+    Before the halves begin, ``ctx.sends`` is ``(steps, bind(...)[0])``: which buffer each step sends
+    from, so that a transport can tell its peer where every chunk will lie (ipc-stream does).
 
     With ``ctx.acc`` (accumulate="float32" on a half type) a chunk that is not final travels in
     float32: this rank's own data is widened into ``acc`` when first sent, a reduce step that is
@@ -76,22 +139,21 @@ def execute(
     op, device, acc = ctx.op or ReduceOp.SUM, ctx.device, ctx.acc
     receiver, sender = link.recv, link.send
     n = ctx.comm.size
-    written = [work is src] * len(bounds)
-    partial = [False] * len(bounds)  # with acc: the chunk's value is a float32 partial in acc
-    final = [False] * len(bounds)  # with acc: the chunk holds the call's result in work
+    bound, written = bind(steps, len(bounds), work is src, acc is not None)
+    ctx.sends = (steps, bound)
+    bufs = (src, work, acc)
+    private = receiver.private  # its incoming pieces are its own scratch (the device may overwrite them)
     sent = 0
     try:
         sender.begin(ctx, work, src, bounds)
         receiver.begin(ctx, work, src, bounds)
-        for st in steps:
+        for st, (send_from, widen_from, local_from) in zip(steps, bound):
             send = None
-            if st.send is not None:
+            if send_from is not None:
                 lo, hi = bounds[st.send]
-                send = (work if written[st.send] else src)[lo:hi]
-                if acc is not None and not final[st.send]:
-                    if not partial[st.send]:  # this rank's own data, sent first: it travels in float32
-                        device.widen(acc[lo:hi], send)
-                    send = acc[lo:hi]
+                if widen_from is not None:
+                    device.widen(acc[lo:hi], bufs[widen_from][lo:hi])
+                send = bufs[send_from][lo:hi]
                 sent += send.nbytes
             if st.recv is None:
                 sender.post(st, send, False)
@@ -102,24 +164,22 @@ def execute(
                 receiver.post(st, hi - lo, None if st.reduce else dst, wire)
                 sender.post(st, send, True)
                 if st.reduce:
-                    local = dst if written[st.recv] else src[lo:hi]
+                    local = bufs[local_from][lo:hi]
                     div = n if st.final and op is ReduceOp.AVG else 1
                     if acc is None:
+                        spare = private and local_from == WORK  # in place: the result may go through it
                         for a, b, incoming in receiver.recv(st, sender):
-                            device.reduce(dst[a:b], local[a:b], incoming, op, div)
+                            device.reduce(dst[a:b], local[a:b], incoming, op, div, spare)
                     elif st.final:
                         for a, b, incoming in receiver.recv(st, sender):
                             device.reduce_acc_final(dst[a:b], local[a:b], incoming, op, div)
                     else:
                         for a, b, incoming in receiver.recv(st, sender):
                             device.reduce_acc(acc[lo + a : lo + b], local[a:b], incoming, op)
-                        partial[st.recv] = True
                 else:
                     for a, b, incoming in receiver.recv(st, sender):
                         if incoming is not None:
                             device.copy(dst[a:b], incoming)
-                if acc is None or not st.reduce or st.final:
-                    written[st.recv] = final[st.recv] = True
                 receiver.step_done(st)
             sender.step_done(st)
         sender.end()

@@ -33,7 +33,9 @@ CLI (``python -m ringcomm.model``; tables in markdown, bandwidths in GB/s = 1e9 
   error), then prediction against measurement per row;
 - ``h200``: 1x8, 2x8 and 16x8 H200 (NVLink 4 within a node, 400 Gb/s per GPU between nodes): ringcomm's one
   ring, the same model with 8 rings (NCCL's scheme), and NCCL's published all-reduce busbw (:data:`PUBLISHED`);
-- ``sources``: the published figures and their sources, as markdown for the README.
+- ``sources``: the published figures and their sources, as markdown for the README;
+- ``one-gpu``: ipc, ipc-stream and NCCL on one H200 shared by 2 and 4 ranks (per-step costs:
+  :data:`ONE_GPU_OVERHEAD`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from .schedule import COLLECTIVES, chain_chunks
 #: ringcomm's defaults (ringcomm.communicator.DEFAULT_SLICE_BYTES / DEFAULT_SMALL_BYTES; not imported,
 #: since the communicator loads MPI): the broadcast/reduce piece size and the small all-reduce limit, bytes.
 SLICE_BYTES = 1 << 20
-SMALL_BYTES = 4096
+SMALL_BYTES = 1 << 16
 
 #: Bytes of memory traffic per byte reduced: two inputs read, one output written.
 REDUCE_TRAFFIC = 3
@@ -362,6 +364,26 @@ def h200_topology(nodes: int, overhead: float, channels: int = 1) -> Topology:
 
 # ------------------------------------------------------------------------------------------------ CLI
 
+#: one H200 shared by the ranks (tests on one GPU): seconds of overhead per ring step, by transport.
+#: ipc: the host records an event and polls it (the kernel's completion seen on the host), sends
+#: "ready" and "done" MPI messages through shared memory, and runs the engine's Python (this
+#: machine's fitted alpha, 17 us): about 30 us. ipc-stream: the step is queued, not waited for; its
+#: pace is the host's queueing (the engine's Python and three driver calls, about 10 us) or, when
+#: the GPU is slower, the GPU's (a satisfied stream wait and an event hop, a few us). NCCL: one kernel
+#: per call, steps synchronised on the GPU (about 1 us), kernels concurrent only under MPS (NCCL's
+#: kernels spin: time-sliced without MPS, NCCL's numbers are not these). Assumptions until
+#: benchmarks/gpu_check.sh measures them (its "ipc-stream bench" step).
+ONE_GPU_OVERHEAD = {"ipc": 30e-6, "ipc-stream": 10e-6, "nccl": 1e-6}
+
+
+def one_gpu_topology(ranks: int, transport: str, hbm: float = H200_MEM_BW) -> Topology:
+    """``ranks`` processes on one GPU: their kernels take turns (time-sliced contexts, or MPS), so
+    each rank's steps get 1/ranks of the memory bandwidth; a copy step reads and writes its chunk,
+    a reduce step reads two and writes one (overlapped, on the GPU). NCCL has no gather-fold path."""
+    return Topology(nodes=1, gpus_per_node=ranks, intra=Link(hbm / (2 * ranks)), overhead=ONE_GPU_OVERHEAD[transport],
+                    mem_bw=hbm / ranks, overlap=True, small_bytes=0 if transport == "nccl" else SMALL_BYTES)
+
+
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -452,6 +474,22 @@ def _cmd_h200(args: argparse.Namespace) -> str:
                       "algorithm", "measured on", "source"], summary))
 
 
+def _cmd_one_gpu(args: argparse.Namespace) -> str:
+    sizes = _sizes(args.sizes)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    names = tuple(ONE_GPU_OVERHEAD)
+    rows = []
+    for size in sizes:
+        cells = [format_size(size)]
+        for n in ranks:
+            cells += [_gbs(predict(args.collective, size, one_gpu_topology(n, t)).busbw) for t in names]
+        rows.append(cells)
+    head = [f"{args.collective} busbw (GB/s) predicted on one H200 (HBM {H200_MEM_BW / 1e12:g} TB/s) shared by the "
+            "ranks; per-step overheads " + ", ".join(f"{t} {ONE_GPU_OVERHEAD[t] * 1e6:g} us" for t in names)
+            + " (ringcomm.model.ONE_GPU_OVERHEAD: assumptions until a GPU measures them)", ""]
+    return "\n".join(head) + _table(["size"] + [f"N={n} {t}" for n in ranks for t in names], rows)
+
+
 def _cmd_sources(args: argparse.Namespace) -> str:
     lines = []
     for p in PUBLISHED:
@@ -495,12 +533,17 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--overhead", type=float, default=5e-6, help="ringcomm's seconds per step on a GPU")
     h.add_argument("--channels", type=int, default=8, help="rings of NCCL's scheme (one per NIC)")
     sub.add_parser("sources", help="the published NCCL figures and their sources, as markdown")
+    g = sub.add_parser("one-gpu", help="ipc, ipc-stream and NCCL on one H200 shared by the ranks")
+    g.add_argument("--collective", "-c", default="all_reduce", choices=COLLECTIVES)
+    g.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
+    g.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M,1G")
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"predict": _cmd_predict, "fit": _cmd_fit, "h200": _cmd_h200, "sources": _cmd_sources}[args.command]
+    run = {"predict": _cmd_predict, "fit": _cmd_fit, "h200": _cmd_h200, "sources": _cmd_sources,
+           "one-gpu": _cmd_one_gpu}[args.command]
     try:
         print(run(args))
     except (ValueError, KeyError, FileNotFoundError) as e:  # bad arguments or files

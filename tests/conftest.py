@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -31,6 +32,40 @@ def shared_seed(mpi: MPI.Intracomm) -> int:
 def make_comm(**kw) -> ringcomm.Communicator:
     kw.setdefault("timeout", TEST_TIMEOUT)
     return ringcomm.Communicator(MPI.COMM_WORLD, **kw)
+
+
+def deadline_barrier(mpi: MPI.Intracomm, timeout: float = TEST_TIMEOUT) -> None:
+    """MPI barrier that fails (instead of hanging) when a rank does not arrive within ``timeout`` s."""
+    import time
+
+    req, end = mpi.Ibarrier(), time.monotonic() + timeout
+    while not req.Test():
+        if time.monotonic() > end:
+            raise AssertionError(f"rank {mpi.rank}: a peer did not reach the barrier within {timeout} s")
+        time.sleep(0.001)
+
+
+def default_gpu_transport() -> str:
+    """The transport GPU edges inside a node get in this run: RINGCOMM_TRANSPORT when the run sets
+    one (tests/test_cuda_emulated.py runs tests/gpu once with ipc-stream), else ipc."""
+    return os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or "ipc"
+
+
+@contextlib.contextmanager
+def transport_env(name: str | None):
+    """RINGCOMM_TRANSPORT set to ``name`` (unset for None) inside the block, restored after it."""
+    before = os.environ.get("RINGCOMM_TRANSPORT")
+    if name is None:
+        os.environ.pop("RINGCOMM_TRANSPORT", None)
+    else:
+        os.environ["RINGCOMM_TRANSPORT"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RINGCOMM_TRANSPORT", None)
+        else:
+            os.environ["RINGCOMM_TRANSPORT"] = before
 
 
 def random_input(rng: np.random.Generator, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:

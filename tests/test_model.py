@@ -38,7 +38,7 @@ def test_two_ranks_one_node_all_reduce_is_the_closed_form():
 
 
 def test_small_all_reduce_gathers_whole_buffers_then_folds():
-    n, s, alpha, bw, mem = 4, 4096, 3e-6, 10e9, 40e9
+    n, s, alpha, bw, mem = 4, model.SMALL_BYTES, 3e-6, 10e9, 40e9
     p = predict("all_reduce", s, Topology(gpus_per_node=n, intra=Link(bw), overhead=alpha, mem_bw=mem))
     assert p.steps == n - 1
     assert rel(p.time, (n - 1) * (alpha + s / bw) + (n - 1) * 3 * s / mem) < 1e-12
@@ -232,3 +232,25 @@ def test_bad_arguments_are_errors():
     with pytest.raises(ValueError):
         Topology(intra=Link(0.0))
     assert math.isinf(predict("all_reduce", 0, Topology()).algbw)
+
+
+def test_one_gpu_transports_differ_by_their_step_cost_only(capsys):
+    """On one shared GPU the bytes cost every transport alike: ipc-stream beats ipc by its smaller
+    per-step cost, most at medium sizes, and all approach the same busbw at 1 GiB."""
+    from ringcomm.model import ONE_GPU_OVERHEAD, one_gpu_topology
+
+    mib, gib = 1 << 20, 1 << 30
+    for n in (2, 4):
+        bw = {t: predict("all_reduce", mib, one_gpu_topology(n, t)).busbw for t in ONE_GPU_OVERHEAD}
+        assert bw["nccl"] > bw["ipc-stream"] > bw["ipc"]
+        big = {t: predict("all_reduce", gib, one_gpu_topology(n, t)).busbw for t in ONE_GPU_OVERHEAD}
+        assert max(big.values()) / min(big.values()) < 1.1
+        # 2(N-1) steps of S/N, each paced by the shared HBM, plus the step cost
+        p = predict("all_reduce", gib, one_gpu_topology(n, "ipc"))
+        hbm = model.H200_MEM_BW
+        want = (n - 1) * (ONE_GPU_OVERHEAD["ipc"] + 3 * gib / hbm) + (n - 1) * (ONE_GPU_OVERHEAD["ipc"] + 2 * gib / hbm)
+        assert rel(p.time, want) < 1e-9
+    assert model.main(["one-gpu", "--ranks", "2,4", "--sizes", "64K,1G"]) == 0
+    out = capsys.readouterr().out
+    assert "| size | N=2 ipc | N=2 ipc-stream | N=2 nccl | N=4 ipc | N=4 ipc-stream | N=4 nccl |" in out
+    assert "| 64 KiB |" in out and "| 1 GiB |" in out

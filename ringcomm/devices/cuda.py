@@ -235,12 +235,13 @@ class CudaDevice:
         kernel("copy.cu", "ringcomm_copy")
         kernel("accumulate.cu", "ringcomm_widen_f16")
 
-    def reduce(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1) -> None:
+    def reduce(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1, spare: bool = False) -> None:
         """``dst[:] = op(a, b)``, then divided by ``div`` when div != 1; queued on the stream.
 
         1-D contiguous arrays of one dtype and length; ``dst`` may be the same memory as ``a``;
         ``b`` may be a view of a neighbour's memory (CUDA IPC). Half types are combined in float32
-        and rounded once, the division included. ``div`` applies to float dtypes only.
+        and rounded once, the division included. ``div`` applies to float dtypes only. ``spare``
+        (HostDevice's hint that ``b`` may be overwritten) is not used here.
         """
         n = dst.size
         if a.size != n or b.size != n:

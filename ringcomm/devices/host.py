@@ -12,6 +12,9 @@ _F32 = np.dtype(np.float32)
 #: the NaN the float32-accumulation methods write (float32 0x7fc00000; cast, float16 0x7e00, bfloat16 0x7fc0)
 CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
 _MIN_MAX = (ReduceOp.MIN, ReduceOp.MAX)
+#: HostDevice.reduce(spare=True) goes through the scratch for pieces up to this size (measured on
+#: this 2-core host: faster at 256 KiB and 1 MiB all-reduces, slower at 4 MiB)
+SPARE_BYTES = 512 << 10
 
 
 class HostDevice:
@@ -25,12 +28,26 @@ class HostDevice:
         self._f32 = np.empty(0, np.float32)  # accumulation scratch for half types, grown once
         self._mask = np.empty(0, np.bool_)  # two masks for the float32-accumulation methods, grown once
 
-    def reduce(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1) -> None:
+    def reduce(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1,
+               spare: bool = False) -> None:
         """``dst[:] = op(a, b)``, divided by ``div`` when div != 1; ``dst`` may be ``a``.
 
         Half types are combined in float32 and rounded once (so the AVG division is fused).
+        ``spare``: ``dst`` is ``a`` (in place) and ``b`` is a receive scratch that may be
+        overwritten. Up to SPARE_BYTES the result is then made in ``b`` and copied into ``dst``
+        (the same bits): the chunk in place was just read by the neighbour through MPICH's
+        single-copy path (CMA), so its cache lines sit shared in the other core's cache, and a
+        ufunc that reads and writes them pays for every line (measured: 46 us for 128 KiB, against
+        4 us for the ufunc into the scratch and a copy). Beyond that the lines have left the other
+        cache and the extra copy costs more than it saves.
         """
         ufunc = UFUNCS[op]
+        if spare and dst.nbytes <= SPARE_BYTES and not (div != 1 and dst.dtype in HALF_DTYPES):
+            ufunc(a, b, out=b)
+            if div != 1:
+                np.divide(b, div, out=b)
+            dst[...] = b
+            return
         if div != 1 and dst.dtype in HALF_DTYPES:
             tmp = self._scratch(dst.size)
             ufunc(a, b, out=tmp, dtype=np.float32)

@@ -11,6 +11,8 @@ in, staging out). The engine (:func:`ringcomm.engine.execute`) drives them:
   incoming chunk is made of, float32 for partial sums under accumulate="float32", else the call's
   dtype; ``recv_into`` None for a reduce step), then ``recv(step, sender)`` yielding
   ``(lo, hi, incoming)`` pieces; before it waits for piece i it calls ``sender.pump(step, i)``;
+  its ``private`` attribute says whether a reduce step's pieces are its own scratch, which the
+  device may overwrite;
 - the sending half: ``post(step, send, writes)`` (``writes``: this step writes this rank's
   buffer, so the right must be done reading what it was sent earlier), ``pump(step, i)`` (post at
   least the first i+1 pieces of what it sends);
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +43,9 @@ from .mpi import MpiRecv, MpiSend, PreparedStep
 
 log = logging.getLogger("ringcomm")
 
-#: the names RINGCOMM_TRANSPORT accepts
-NAMES = ("mpi", "ipc", "staged")
+#: the names RINGCOMM_TRANSPORT accepts ("ipc-stream": IPC with the step handshake on the GPU's
+#: streams; chosen only when asked for, until it has run on a GPU)
+NAMES = ("mpi", "ipc", "staged", "ipc-stream")
 #: peer GPUs a record can list (the GPUs of one node that this rank's GPU can access)
 MAX_PEERS = 16
 
@@ -60,7 +64,8 @@ class PeerRecord:
 
     ``node``: its node's index; ``gpu``: its GPU's PCI bus id as an integer (:func:`bus_id`);
     ``peers``: the bus ids of the GPUs its GPU can access (cudaDeviceCanAccessPeer); ``aware``:
-    its MPI takes device buffers; ``forced``: its RINGCOMM_TRANSPORT ("" when unset).
+    its MPI takes device buffers; ``forced``: its RINGCOMM_TRANSPORT ("" when unset); ``streamops``:
+    its GPU runs CUDA stream memory operations (probed only when ipc-stream is asked for).
     """
 
     node: int
@@ -68,18 +73,20 @@ class PeerRecord:
     peers: frozenset[int]
     aware: bool
     forced: str
+    streamops: bool = False
 
     def words(self) -> np.ndarray:
         peers = sorted(self.peers)[:MAX_PEERS]
-        out = np.zeros(5 + MAX_PEERS, np.int64)
-        out[:5] = self.node, self.gpu, self.aware, (NAMES.index(self.forced) + 1) if self.forced else 0, len(peers)
-        out[5:5 + len(peers)] = peers
+        out = np.zeros(6 + MAX_PEERS, np.int64)
+        forced = (NAMES.index(self.forced) + 1) if self.forced else 0
+        out[:6] = self.node, self.gpu, self.aware, forced, self.streamops, len(peers)
+        out[6:6 + len(peers)] = peers
         return out
 
     @classmethod
     def from_words(cls, w: Sequence[int]) -> PeerRecord:
         w = [int(v) for v in w]
-        return cls(w[0], w[1], frozenset(w[5:5 + w[4]]), bool(w[2]), NAMES[w[3] - 1] if w[3] else "")
+        return cls(w[0], w[1], frozenset(w[6:6 + w[5]]), bool(w[2]), NAMES[w[3] - 1] if w[3] else "", bool(w[4]))
 
 
 def bus_id(pci: str) -> int:
@@ -96,7 +103,8 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
     shared, or peer access from the receiver's GPU to the sender's); else CUDA-aware MPI when both
     ends' MPI takes device buffers; else staging through host memory. ``forced`` (RINGCOMM_TRANSPORT)
     takes that transport on every edge it can serve: "staged" on all, "ipc" where IPC can, "mpi"
-    on all (ValueError where an end's MPI is not CUDA-aware).
+    on all (ValueError where an end's MPI is not CUDA-aware), "ipc-stream" where IPC can and both
+    ends' GPUs run stream memory operations (else "ipc" there; the ranks warn).
     """
     ipc = sender.node == receiver.node and (sender.gpu == receiver.gpu or sender.gpu in receiver.peers)
     aware = sender.aware and receiver.aware
@@ -107,6 +115,8 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
         )
     if forced in ("mpi", "staged"):
         return forced
+    if ipc and forced == "ipc-stream" and sender.streamops and receiver.streamops:
+        return "ipc-stream"
     return "ipc" if ipc else "mpi" if aware else "staged"
 
 
@@ -187,6 +197,10 @@ def _halves(comm: Any, name: str) -> tuple[type, type, tuple]:
         from .staged import StagedRecv, StagedSend
 
         return StagedRecv, StagedSend, ()
+    if name == "ipc-stream":
+        from .ipc_stream import IpcStreamRecv, IpcStreamSend
+
+        return IpcStreamRecv, IpcStreamSend, ()
     return MpiRecv, MpiSend, (comm.slice_bytes,)
 
 
@@ -205,6 +219,11 @@ def select(comm: Any, kind: str) -> Link:
     records = [PeerRecord.from_words(row) for row in comm._allgather_ints(
         _setup_context(comm), gpu_record(comm, name).words(), "exchanging what every rank's GPU can reach")]
     edges = choose_edges(records, comm.ring)
+    if name == "ipc-stream" and "ipc" in edges:
+        msg = (f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
+               f"operations (rank {comm.rank}: {_stream_ops_problem(comm) or 'this one can'}); those IPC edges use ipc")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
     recv_cls, _, recv_args = _halves(comm, edges[p])
     _, send_cls, send_args = _halves(comm, edges[(p + 1) % n])
     link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges)
@@ -234,4 +253,14 @@ def gpu_record(comm: Any, forced: str) -> PeerRecord:
         if d != me and rt.deviceCanAccessPeer(me, d)
     )
     node = sorted(set(comm.nodes)).index(comm.nodes[comm.rank])
-    return PeerRecord(node, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced)
+    streamops = forced == "ipc-stream" and not _stream_ops_problem(comm)
+    return PeerRecord(node, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops)
+
+
+def _stream_ops_problem(comm: Any) -> str:
+    """Why this rank's current GPU cannot run ipc-stream ("" when it can)."""
+    import cupy
+
+    from .ipc_stream import unsupported
+
+    return unsupported(cupy.cuda.runtime.getDevice())

@@ -89,6 +89,9 @@ class MpiSend:
 class MpiRecv:
     """The receiving half: MPI_Irecv of each slice from the left neighbour."""
 
+    #: a reduce step's incoming pieces are this half's own scratch: the device may overwrite them
+    private = True
+
     def __init__(self, comm: Any, slice_bytes: int, name: str = "mpi") -> None:
         self.comm, self.slice_bytes, self.name = comm, slice_bytes, name
         self._scratch = None  # raw uint8 scratch for reduce steps, reused across calls

@@ -196,6 +196,8 @@ class StagedRecv(_Staged):
     """The receiving half: MPI_Irecv from the left into pinned memory, then host-to-device copies
     on the collective's stream (into the destination, or a device scratch for reduce steps)."""
 
+    private = False  # (see MpiRecv.private)
+
     def __init__(self, comm: Any, slice_bytes: int | None = None) -> None:
         super().__init__(comm, slice_bytes)
         self._dev = Reused()  # device scratch for reduce steps, reused across calls (and streams)

@@ -8,13 +8,12 @@ bitwise agreement with the host path on the same data. One mpiexec launch per N 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 import pytest
 from conftest import (
-    require_gpu,
+    default_gpu_transport, require_gpu, transport_env,
     DTYPES, assert_identical_on_all_ranks, assert_matches, gather_all, make_comm, ops_for, random_input, shared_seed,
 )
 from mpi4py import MPI
@@ -35,7 +34,7 @@ def _use_local_gpu() -> None:
 
 
 def transports() -> list[str]:
-    names = ["ipc", "staged"]
+    names = ["ipc", "staged", "ipc-stream"]
     if staged.cuda_aware_mpi():
         names.append("mpi")
     return names
@@ -68,12 +67,9 @@ def comm_with(transport: str | None, **kw):
     """A Communicator whose GPU edges all use ``transport`` (None: each edge's automatic choice)."""
     if transport is None:
         return make_comm(**kw)
-    os.environ["RINGCOMM_TRANSPORT"] = transport
-    try:
+    with transport_env(transport):
         comm = make_comm(**kw)
         assert comm.transport_name(cupy.empty(1, np.float32)) == transport
-    finally:
-        del os.environ["RINGCOMM_TRANSPORT"]
     return comm
 
 
@@ -227,10 +223,11 @@ def test_transport_choice_is_logged(caplog):
         comm = make_comm()
         x = cupy.ones(100, cupy.float32)
         comm.all_reduce(x)
-    assert comm.transport_name(x) == "ipc"  # two ranks on one node
-    assert any("cuda transports" in rec.getMessage() and "0 -ipc-> 1 -ipc-> (0)" in rec.getMessage()
+    t = default_gpu_transport()
+    assert comm.transport_name(x) == t  # two ranks on one node
+    assert any("cuda transports" in rec.getMessage() and f"0 -{t}-> 1 -{t}-> (0)" in rec.getMessage()
                for rec in caplog.records)
-    assert any("transport=ipc" in rec.getMessage() for rec in caplog.records)
+    assert any(f"transport={t} " in rec.getMessage() for rec in caplog.records)
 
 
 @pytest.mark.parallel(nprocs=[2])

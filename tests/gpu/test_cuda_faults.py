@@ -5,13 +5,12 @@ real GPU, where these cannot be provoked on demand."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import make_comm, require_gpu
+from conftest import deadline_barrier, make_comm, require_gpu, transport_env
 from mpi4py import MPI
 
 cupy, _ngpu = require_gpu()
@@ -23,11 +22,12 @@ from ringcomm.devices import cuda as cuda_device  # noqa: E402
 
 
 def comm_with(transport: str, **kw):
-    os.environ["RINGCOMM_TRANSPORT"] = transport
-    try:
-        return make_comm(**kw)
-    finally:
-        del os.environ["RINGCOMM_TRANSPORT"]
+    """A Communicator whose GPU transport is chosen (collectively, at the first GPU call: here)
+    under RINGCOMM_TRANSPORT=``transport``."""
+    with transport_env(transport):
+        comm = make_comm(**kw)
+        comm.transport_name(cupy.empty(1, cupy.float32))
+    return comm
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -124,3 +124,57 @@ def test_bench_synchronisation_has_the_deadline():
     with pytest.raises(ringcomm.TimeoutError, match="benchmark synchronisation"):
         stream_sync(comm, s)()
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ipc_stream_watchdog_reports_a_stuck_peer():
+    """Rank 1's stream never runs (a hung kernel queued before the call): rank 0's all_reduce
+    returns at once, and its watchdog notices within timeout + 1 s that the step does not advance,
+    names the collective, step and peer, and releases rank 0's stream (which completes); the error
+    comes from check_errors() and the communicator is aborted."""
+    r = MPI.COMM_WORLD.rank
+    timeout = 2.0
+    comm = comm_with("ipc-stream", timeout=timeout)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.full(50_000, r, cupy.float32)
+    comm.all_reduce(cupy.ones(64, cupy.float32), stream=s)  # a first call: set-up done, streams fine
+    s.synchronize()
+    if r == 1:
+        cupy._stall(s)
+    t0 = time.monotonic()
+    comm.all_reduce(x, stream=s)
+    returned = time.monotonic() - t0
+    assert returned < timeout / 2, f"the call waited {returned:.1f} s on the host"
+    if r == 0:
+        while True:
+            try:
+                comm.check_errors()
+            except ringcomm.TimeoutError as e:
+                error = e
+                break
+            assert time.monotonic() - t0 < timeout + 1.0, "no watchdog error within timeout + 1 s"
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert timeout <= took < timeout + 1.0, f"took {took:.2f} s"
+        assert (error.collective, error.peer, error.rank) == ("all_reduce", 1, 0) and error.step is not None
+        assert "watchdog" in str(error)
+        s.synchronize()  # released: the stream completes (its result is undefined)
+        with pytest.raises(ringcomm.RingcommError, match="aborted"):
+            comm.all_reduce(x, stream=s)
+    deadline_barrier(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ipc_stream_without_stream_memory_operations_is_ipc(monkeypatch):
+    """A GPU without stream memory operations: RINGCOMM_TRANSPORT=ipc-stream warns and uses ipc."""
+    monkeypatch.setenv("RINGCOMM_EMULATED_NO_STREAM_MEM_OPS", "1")
+    from ringcomm.transports import ipc_stream
+
+    monkeypatch.setattr(ipc_stream, "_support", {})
+    with pytest.warns(RuntimeWarning, match="stream memory operations"):
+        comm = comm_with("ipc-stream")
+        x = cupy.ones(1000, cupy.float32)
+        assert comm.transport_name(x) == "ipc"
+    comm.all_reduce(x)
+    assert (cupy.asnumpy(x) == MPI.COMM_WORLD.size).all()

@@ -11,7 +11,7 @@ and dtype must stay bitwise the host path's and identical on all ranks.
 from __future__ import annotations
 
 import pytest
-from conftest import make_comm, require_gpu
+from conftest import default_gpu_transport, make_comm, require_gpu
 
 cupy, _ngpu = require_gpu()
 
@@ -31,7 +31,7 @@ def expected_edges(comm) -> tuple[str, ...]:
         if labels[a] != labels[b]:
             edges.append("mpi" if aware else "staged")
         elif device[a] == device[b] or cupy.cuda.runtime.deviceCanAccessPeer(device[b], device[a]):
-            edges.append("ipc")
+            edges.append(default_gpu_transport())
         else:
             edges.append("staged")
     return tuple(edges)

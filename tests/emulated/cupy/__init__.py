@@ -17,6 +17,17 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   query or synchronize, a stream waiting on an event, or a copy to the host), never earlier. A
   missing wait in a transport then reads stale data, as it might on a GPU.
   RINGCOMM_EMULATED_JITTER=<ms> also delays some queued work at random, so ranks drift apart.
+- stream memory operations (cuStreamWaitValue32/64, cuStreamWriteValue32/64 in
+  tests/emulated/cuda/bindings/driver.py): a value wait holds its stream until the value in memory
+  (of any process: the memory is shared) satisfies the condition; a value write stores the value
+  when its stream reaches it. As on a GPU, such streams progress without the host: a stream whose
+  queue holds a memory operation is run by a daemon thread of the process up to and including its
+  last memory operation, together with everything it waits for (other streams' events, the legacy
+  null stream); work after its last memory operation, and streams without any, stay lazy. Host
+  waits (Stream/Event/device synchronize, a copy to the host on the current stream) on a stream
+  held by an unsatisfied value wait poll until some process writes the value (forever if none
+  does); queries (``done``) never block. Queued work runs under one process-wide lock.
+  ``_emulated_kernels_run()``: how many kernel launches this process has executed (not queued).
 - NCCL: ``cupy.cuda.nccl`` (_nccl.py) with CuPy 14's signatures, its collectives done with MPI and
   queued on the given stream; RINGCOMM_EMULATED_NCCL_VERSION picks the NCCL version it reports.
 - devices: RINGCOMM_EMULATED_DEVICES=<n> (default 1) devices, the same n in every process of a node
@@ -45,6 +56,7 @@ import random
 import threading
 import time
 import types
+import weakref
 
 import numpy as np
 
@@ -62,7 +74,13 @@ _rng = random.Random(os.getpid())
 _BLOCK = 2 << 20
 _ALIGN = 512
 _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy and cudaStreamPerThread
+#: the process-wide lock of everything queued: queue manipulation and execution hold it (an op runs
+#: under it); a host wait or the progress thread releases it while a value wait is unsatisfied
 _lock = threading.RLock()
+_progress = threading.Condition(_lock)  # wakes the progress thread (a memory operation was queued)
+_POLL = 0.0005  # seconds between two looks at an unsatisfied value wait
+_kernels_run = 0  # kernel launches executed (not queued) by this process
+_driver_initialized = False  # cuInit done (by the runtime on a thread's first context, or cuInit)
 
 
 # --------------------------------------------------------------------------------- devices, errors
@@ -184,7 +202,9 @@ def _make_context_current() -> None:
     """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the current
     device's primary context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a
     thread without one fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
+    global _driver_initialized
     _ctx.current = _current_device()
+    _driver_initialized = True
 
 
 def _has_context() -> bool:
@@ -273,7 +293,7 @@ def _cleanup() -> None:
 
 
 def _region(ptr: int, nbytes: int = 1) -> _Allocation:
-    for base, a in _regions.items():
+    for base, a in list(_regions.items()):  # a snapshot: queued work also runs on the progress thread
         if base <= ptr and ptr + max(nbytes, 0) <= base + a.size:
             return a
     raise RuntimeError(f"emulated CUDA: address {ptr:#x} (+{nbytes} bytes) is not device memory")
@@ -293,8 +313,25 @@ def _device_region(ptr: int, nbytes: int, device: int, what: str) -> _Allocation
     return a
 
 
+def _memop_memory(ptr: int, nbytes: int, device: int):
+    """The memory a stream memory operation of a stream on ``device`` may use at ``ptr`` (+nbytes):
+    its allocation (one of this process, or an IPC mapping opened in it) when it is memory of
+    ``device`` or of a device that ``device`` enabled peer access to, or a pinned host buffer
+    (mapped for every device with unified addressing); None when it is none of these."""
+    try:
+        a = _region(ptr, nbytes)
+    except RuntimeError:
+        for p in list(_pinned.values()):
+            if p.ptr <= ptr and ptr + nbytes <= p.ptr + len(p):
+                return p
+        return None
+    if a.device != device and (device, a.device) not in _peer_enabled:
+        return None
+    return a
+
+
 def _is_device(ptr: int) -> bool:
-    return any(base <= ptr < base + a.size for base, a in _regions.items())
+    return any(base <= ptr < base + a.size for base, a in list(_regions.items()))
 
 
 class _PoolChunk:
@@ -406,7 +443,7 @@ class UnownedMemory:
 
 def _device_of(ptr: int) -> int:
     """The device of the memory at ``ptr``; the current device for memory that is not device memory."""
-    for base, a in _regions.items():
+    for base, a in list(_regions.items()):
         if base <= ptr < base + a.size:
             return a.device
     return _current_device()
@@ -432,7 +469,14 @@ class _Pinned(bytearray):
 
 
 def alloc_pinned_memory(nbytes: int) -> _Pinned:
-    return _Pinned(int(nbytes))
+    p = _Pinned(int(nbytes))
+    _pinned[id(p)] = p
+    return p
+
+
+#: live pinned host buffers (cudaHostAlloc'd memory: with unified addressing its device pointer is
+#: its host address, for every device)
+_pinned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by id (a bytearray is unhashable)
 
 
 # ---------------------------------------------------------------------------------- streams, events
@@ -451,15 +495,67 @@ class _Stall:
 
 
 class _Wait:
-    """A stream's wait for a point (a marker) in another stream: runs that stream up to it;
-    true once it is reached (false while that stream hangs before it)."""
+    """A stream's wait for a point (a marker) in another stream: that stream runs up to it first."""
 
     def __init__(self, stream: Stream, marker: _Marker) -> None:
         self.stream, self.marker = stream, marker
 
-    def __call__(self) -> bool:
-        self.stream._flush(self.marker)
-        return self.marker.ran
+    def __call__(self) -> None:
+        pass  # run (popped) only once the marker was reached: see Stream._advance
+
+
+def _load(addr: int, bits: int) -> int:
+    """An aligned 4- or 8-byte load (what a GPU's stream memory operation reads)."""
+    return (ctypes.c_uint32 if bits == 32 else ctypes.c_uint64).from_address(addr).value
+
+
+class _ValueWait:
+    """cuStreamWaitValue32/64: the stream's later work waits until the condition on the value at
+    ``addr`` holds (written by any process: the memory is shared). The conditions are CUDA's
+    CUstreamWaitValue_flags: GEQ (0) ``(int32_t)(*addr - value) >= 0``, a cyclic comparison (int64_t
+    for 64 bits), EQ (1) ``*addr == value``, AND (2) ``(*addr & value) != 0``, NOR (3)
+    ``~(*addr | value) != 0``. ``keep``: the mapping, held while the wait is queued."""
+
+    memop = True
+
+    def __init__(self, addr: int, value: int, cond: int, bits: int, keep: object) -> None:
+        self.addr, self.value, self.cond, self.bits, self.keep = int(addr), int(value), int(cond), bits, keep
+        self.ran = False
+
+    def satisfied(self) -> bool:
+        mask = (1 << self.bits) - 1
+        cur, v = _load(self.addr, self.bits), self.value
+        if self.cond == 0:
+            return ((cur - v) & mask) < (1 << (self.bits - 1))
+        if self.cond == 1:
+            return cur == v
+        if self.cond == 2:
+            return (cur & v) != 0
+        return (~(cur | v) & mask) != 0
+
+    def __call__(self) -> None:
+        self.ran = True
+
+
+class _ValueWrite:
+    """cuStreamWriteValue32/64: an aligned 4- or 8-byte store of ``value`` when the stream reaches it."""
+
+    memop = True
+
+    def __init__(self, addr: int, value: int, bits: int, keep: object) -> None:
+        self.addr, self.value, self.bits, self.keep = int(addr), int(value), bits, keep
+        self.ran = False
+
+    def __call__(self) -> None:
+        (ctypes.c_uint32 if self.bits == 32 else ctypes.c_uint64).from_address(self.addr).value = self.value
+        self.ran = True
+        _progress.notify_all()  # a wait of this process may hold on it
+
+
+def _hang() -> None:
+    """A host wait on work that can never complete (a hung stream): it never returns, as on a GPU."""
+    while True:
+        time.sleep(1)
 
 
 class Stream:
@@ -467,7 +563,8 @@ class Stream:
     queued before it on the legacy null stream, and work on the null stream after the work queued
     before it on every blocking stream; ``non_blocking=True`` streams are not ordered with the null
     stream. ``device_id``: the device current when it was made (CuPy's Stream.device_id; -1 for the
-    null stream, which is every device's)."""
+    null stream, which is every device's). A stream with a stream memory operation queued is run
+    by the progress thread up to its last one (``_last_memop``)."""
 
     _by_ptr: dict[int, Stream] = {}
 
@@ -476,10 +573,12 @@ class Stream:
         self.blocking = not non_blocking and not null
         self.device_id = -1 if null or ptds else _current_device()
         self._queue: collections.deque = collections.deque()
-        Stream._by_ptr[self.ptr] = self
+        self._last_memop = None
+        with _lock:
+            Stream._by_ptr[self.ptr] = self
 
     def _mark(self) -> _Marker | None:
-        """A marker after the work queued so far (None when nothing is queued)."""
+        """A marker after the work queued so far (None when nothing is queued). Under ``_lock``."""
         if not self._queue:
             return None
         m = _Marker()
@@ -487,34 +586,71 @@ class Stream:
         return m
 
     def _enqueue(self, fn) -> None:
-        if self.ptr == 0:  # the current device's null stream: after that device's blocking streams
-            dev = _current_device()
-            before = [s for s in list(Stream._by_ptr.values()) if s.blocking and s.device_id == dev]
-        else:
-            before = [Stream.null] if self.blocking else []
-        for s in before:
-            m = s._mark()
-            if m is not None:
-                self._queue.append(_Wait(s, m))
-        self._queue.append(fn)
+        with _lock:
+            if self.ptr == 0:  # the current device's null stream: after that device's blocking streams
+                dev = _current_device()
+                before = [s for s in list(Stream._by_ptr.values()) if s.blocking and s.device_id == dev]
+            else:
+                before = [Stream.null] if self.blocking else []
+            for s in before:
+                m = s._mark()
+                if m is not None:
+                    self._queue.append(_Wait(s, m))
+            self._queue.append(fn)
+            if getattr(fn, "memop", False):
+                self._last_memop = fn
+                _start_progress()
+                _progress.notify_all()
 
-    def _flush(self, upto=None) -> None:
-        while self._queue and not (upto is not None and getattr(upto, "ran", False)):
+    def _advance(self, upto=None):
+        """Run queued work from the head, never blocking, until ``upto`` (an item of this queue with
+        ``ran``; None: everything) has run. True once it has; else why not: "value" (an unsatisfied
+        value wait is ahead, here or in a stream waited for: it may still be written) or "stall"
+        (a hung stream is ahead: it never completes). Called with ``_lock`` held."""
+        while self._queue:
+            if upto is not None and upto.ran:
+                return True
             head = self._queue[0]
-            # a hung kernel, or a wait on another stream's event that cannot complete (that
-            # stream hangs): nothing after it runs
-            if isinstance(head, _Stall) or (isinstance(head, _Wait) and not head()):
-                if upto is None:  # a host wait on a hung stream: it never returns
-                    while True:
-                        time.sleep(1)
-                return
+            if isinstance(head, _Stall):
+                return "stall"
+            if isinstance(head, _Wait):
+                why = head.stream._advance(head.marker)
+                if why is not True:
+                    return why
+            elif isinstance(head, _ValueWait) and not head.satisfied():
+                return "value"
             op = self._queue.popleft()
             if _JITTER and _rng.random() < 0.2:
                 time.sleep(_rng.random() * _JITTER)  # a slow GPU, now and then: races show up
             op()
+        return True if upto is None or upto.ran else "stall"
+
+    def _host_wait(self, upto=None, stall_hangs: bool = True) -> None:
+        """A host thread waits until ``upto`` (None: all queued work) has run: while an unsatisfied
+        value wait holds it, it polls with the lock released (some process may write the value: as
+        on a GPU it waits forever if none does); on a hung stream it never returns (``stall_hangs``)
+        or returns at once, leaving the work queued."""
+        while True:
+            with _lock:
+                why = self._advance(upto)
+            if why is True:
+                return
+            if why == "stall":
+                if stall_hangs:
+                    _hang()
+                return
+            time.sleep(_POLL)
+
+    def _flush(self, upto=None) -> None:
+        """All queued work (blocking, as cudaStreamSynchronize), or up to ``upto`` (never blocking)."""
+        if upto is None:
+            self._host_wait(None)
+        else:
+            with _lock:
+                self._advance(upto)
 
     def synchronize(self) -> None:
-        self._flush()
+        self._host_wait(None)
         _check_violations()
 
     def wait_event(self, event: Event) -> None:
@@ -539,14 +675,69 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        self._flush(self._mark())
-        return not self._queue
+        """cudaStreamQuery: runs what can run, never blocks (False while a value wait holds it)."""
+        with _lock:
+            m = self._mark()
+            return m is None or self._advance(m) is True
 
 
 Stream.null = Stream(null=True)
 #: per device: the current streams (the last one is current); not per thread here, unlike CuPy's
 _current: dict[int, list[Stream]] = collections.defaultdict(list)
 _current_devices: list[int] = []
+
+
+# ------------------------------------------------------------------ progress of stream memory ops
+_progress_thread: threading.Thread | None = None
+
+
+def _start_progress() -> None:
+    """The process's progress thread (a daemon), started with the first stream memory operation."""
+    global _progress_thread
+    if _progress_thread is None:
+        _progress_thread = threading.Thread(target=_progress_loop, name="emulated-gpu-streams", daemon=True)
+        _progress_thread.start()
+
+
+def _progress_loop() -> None:
+    """Run every stream that holds a stream memory operation up to its last one, as a GPU runs its
+    streams without the host: never blocking on an unsatisfied value wait (it looks again every
+    _POLL seconds, with the lock released) nor on a hung stream (it leaves it). A failure of queued
+    work (a kernel's) is kept as a sticky error for the next synchronizing call, as CUDA does."""
+    with _lock:
+        while True:
+            polling = False
+            for s in list(Stream._by_ptr.values()):
+                last = s._last_memop
+                if last is None:
+                    continue
+                try:
+                    why = s._advance(last)
+                except Exception as e:  # noqa: BLE001 - reported at the next synchronize
+                    _violations.append(f"emulated CUDA: queued work failed on {s}: {type(e).__name__}: {e}")
+                    why = "value"  # the failed op is gone: go on with the rest soon
+                if why is True:
+                    if s._last_memop is last:
+                        s._last_memop = None
+                elif why == "value":
+                    polling = True
+            _progress.wait(_POLL if polling else None)
+
+
+def _reset_after_fork() -> None:
+    """A forked child has no progress thread, and the lock may have been held by it."""
+    global _lock, _progress, _progress_thread
+    _lock = threading.RLock()
+    _progress = threading.Condition(_lock)
+    _progress_thread = None
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _emulated_kernels_run() -> int:
+    """Tests only: how many kernel launches this process has executed so far (not merely queued)."""
+    return _kernels_run
 
 
 def _stream_device(stream: Stream) -> int:
@@ -573,7 +764,8 @@ def ExternalStream(ptr: int, device_id: int = -1) -> Stream:  # noqa: N802 - CuP
 def _stall(stream: Stream) -> None:
     """Tests only: from now on nothing queued on ``stream`` completes (as if a kernel hung):
     event queries stay False, and ``synchronize()`` never returns."""
-    stream._queue.append(_Stall())
+    with _lock:
+        stream._queue.append(_Stall())
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
@@ -582,16 +774,27 @@ def get_current_stream(device_id: int = -1) -> Stream:
     return _current[dev][-1] if _current[dev] else Stream.null
 
 
-def _flush_all() -> None:
-    for s in list(Stream._by_ptr.values()):
-        s._flush(s._mark())
+def _flush_all(stream: Stream | None = None) -> None:
+    """Before a copy to or from the host: every stream runs what it can (never blocking), then the
+    copy's stream (default: the current one) is waited for as CuPy's synchronous copy does: held by
+    an unsatisfied value wait, it blocks until the value is written; a hung stream is left queued."""
+    with _lock:
+        for s in list(Stream._by_ptr.values()):
+            s._advance(s._mark())
+        stream = stream if stream is not None else get_current_stream()
+        m = stream._mark()
+    if m is not None:
+        stream._host_wait(m, stall_hangs=False)
 
 
 def _flush_device(device: int) -> None:
-    """cudaDeviceSynchronize on ``device``: its streams and the null stream."""
-    for s in list(Stream._by_ptr.values()):
-        if s.device_id in (device, -1):
-            s._flush(s._mark())
+    """cudaDeviceSynchronize on ``device``: its streams and the null stream (blocking while a value
+    wait holds one of them; a hung stream is left queued)."""
+    with _lock:
+        marks = [(s, s._mark()) for s in list(Stream._by_ptr.values()) if s.device_id in (device, -1)]
+    for s, m in marks:
+        if m is not None:
+            s._host_wait(m, stall_hangs=False)
 
 
 class Event:
@@ -615,17 +818,18 @@ class Event:
 
     @property
     def done(self) -> bool:
+        """cudaEventQuery: runs what can run, never blocks."""
         if self._stream is not None:
-            self._stream._flush(self._marker)
+            with _lock:
+                self._stream._advance(self._marker)
             return self._marker.ran
         return True
 
     def synchronize(self) -> None:
+        """cudaEventSynchronize: blocks while a value wait holds the work before it; never returns
+        on a hung stream."""
         if self._stream is not None:
-            self._stream._flush(self._marker)
-            if not self._marker.ran:  # a hung stream: cudaEventSynchronize never returns
-                while True:
-                    time.sleep(1)
+            self._stream._host_wait(self._marker)
 
 
 class Device:
@@ -822,7 +1026,7 @@ class ndarray:
         return self.get().all()
 
     def get(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
-        _flush_all()
+        _flush_all(stream)
         _check_violations()
         if out is None:
             return self._np().copy()
@@ -1073,7 +1277,9 @@ class _Kernel:
                 assert rc == 0
 
         def checked() -> None:
+            global _kernels_run
             run()
+            _kernels_run += 1
             bad = _lib().rc_host_misaligned()
             if bad:
                 raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")

@@ -1,0 +1,106 @@
+"""ipc-stream: the ring's steps ordered on the GPU (stream memory operations), not by the host.
+
+The collectives themselves run through every GPU test with ipc-stream (test_cuda_collectives'
+transports, and tests/test_cuda_emulated.py's ipc-stream variant of all of tests/gpu); here: a call
+returns before any of its kernels ran, several calls queue back to back with no host wait, and a
+call's result is bitwise ipc's. On the emulated GPU and on a real one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import deadline_barrier, make_comm, require_gpu, transport_env
+from mpi4py import MPI
+
+cupy, _ngpu = require_gpu()
+
+from ringcomm.transports.ipc_stream import StreamOps  # noqa: E402
+
+
+def comm_with(transport: str, **kw):
+    with transport_env(transport):
+        comm = make_comm(**kw)
+        assert comm.transport_name(cupy.empty(1, cupy.float32)) == transport
+    return comm
+
+
+def _use_local_gpu() -> None:
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cupy.cuda.Device(node.rank % _ngpu).use()
+    node.Free()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_the_call_returns_before_any_of_its_kernels_ran():
+    """Rank 0's stream is held by a gate (a value wait) queued before the call: all_reduce(x,
+    stream=s) still returns, with nothing on s having run (an event after it is not complete, and
+    on the emulated GPU no kernel ran); once the gate opens, the result is right on every rank."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    comm = comm_with("ipc-stream", small_bytes=0)
+    ops = StreamOps()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(10_001, dtype=cupy.float32) + r
+        gate = cupy.zeros(1, cupy.uint32)
+    s.synchronize()
+    comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)  # set-up (mappings, flags) on a first call
+    s.synchronize()
+    if r == 0:
+        ops.wait(s, gate.data.ptr, 1)
+    ran = cupy._emulated_kernels_run() if hasattr(cupy, "_emulated_kernels_run") else None
+    comm.all_reduce(x, stream=s)
+    comm.all_reduce(x, stream=s)  # a second call queues behind the first, still no host wait
+    after = cupy.cuda.Event(block=False, disable_timing=True)
+    after.record(s)
+    if r == 0:
+        try:
+            assert not after.done, "the calls' work ran before the gate opened"
+            if ran is not None:
+                assert cupy._emulated_kernels_run() == ran, "a kernel ran before the call's stream reached it"
+        finally:  # open the gate whatever happened: the other ranks wait for this one's stream
+            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
+    deadline_barrier(mpi)
+    s.synchronize()
+    base = np.arange(10_001, dtype=np.float64)
+    want = (base * n + sum(range(n))) * n
+    np.testing.assert_array_equal(cupy.asnumpy(x), want.astype(np.float32))
+    comm.check_errors()  # nothing went wrong
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+def test_bitwise_ipc_and_many_calls_without_host_waits():
+    """A sequence of calls on one stream, none waited for on the host between them: the results
+    are bitwise those of ipc, for every collective, in place and out of place."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    rng = np.random.default_rng([17, r])
+    results = {}
+    for transport in ("ipc", "ipc-stream"):
+        comm = comm_with(transport)
+        s = cupy.cuda.Stream(non_blocking=True)
+        outs = []
+        with s:
+            for count in (0, 1, n + 1, 16 * n + 3, 40_003):
+                host = rng.standard_normal(count).astype(np.float32) if transport == "ipc" else results[count][0]
+                x = cupy.asarray(host)
+                y = comm.all_reduce(x.copy(), stream=s)
+                z = comm.all_reduce(x, out=cupy.empty_like(x), stream=s)
+                shard = comm.reduce_scatter(x, "max", stream=s)
+                g = comm.all_gather(shard, out=cupy.empty_like(x), stream=s)
+                b = x.copy()
+                comm.broadcast(b, root=n - 1, stream=s)
+                red = comm.reduce(x, "sum", root=0, out=cupy.empty_like(x), stream=s)
+                outs.append((count, host, [y, z, shard, g, b] + ([red] if r == 0 else [])))
+        s.synchronize()
+        for count, host, arrays in outs:
+            got = [cupy.asnumpy(a).tobytes() for a in arrays]
+            if transport == "ipc":
+                results[count] = (host, got)
+            else:
+                assert got == results[count][1], f"ipc-stream differs from ipc at count {count}"
+        comm.check_errors()
+        comm.close()
