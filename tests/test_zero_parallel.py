@@ -125,7 +125,7 @@ def test_stages_match_reference_memory_and_communication(seed):
     equals the ring volumes; stage 3 keeps no full parameter outside gathered(). Ranks constructed
     with different bucket_elements raise on every rank. float16/bfloat16 losses track float64
     within HALF_TOL."""
-    comm = make_comm()
+    comm = make_comm(small_bytes=4096)  # the model's buffers (8·Φ bytes) must take the ring path
     n, errors = comm.size, []
     x, y, p0 = problem(seed)
     sl = rows(comm)

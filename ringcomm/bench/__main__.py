@@ -348,6 +348,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     if edges:
         out("# Ring: " + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1]) + f" ({comm.ring[0]})"
             + f"  (nodes: {','.join(comm.nodes)})")
+    algorithm = (f"all_reduce up to {comm.small_bytes} B: gather-fold (N-1 steps of whole buffers, then a local fold "
+                 "in the ring's order: bitwise the ring's result); above, and every other collective: ring")
+    out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES)")
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")
     out(f"# Time: {st.describe()}")
@@ -376,7 +379,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     for line in ranks:
         out(f"#  {line}")
     return {"ranks": comm.size, "nodes": nodes, "ranks_per_node": per_node, "device": device,
-            "transport": transport, "ring": list(comm.ring), "node_labels": list(comm.nodes),
+            "transport": transport, "algorithm": algorithm, "small_bytes": comm.small_bytes, "ring": list(comm.ring), "node_labels": list(comm.nodes),
             "edges": [{"from": a, "to": b, "transport": t} for a, b, t in edges], "versions": vers, "time": st.describe(), "ranks_detail": ranks,
             "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls}, "notes": notes,
             "footnotes": footnotes, "argv": plan.argv}
