@@ -175,7 +175,24 @@ def _close_context(comm: Any) -> Any:
     return ctx
 
 
-class IpcSend:
+class _IpcHalf:
+    """What both IPC halves share: binding a call."""
+
+    def _start(self, ctx: Any) -> bool:
+        """Bind the call; False when there is nothing to do (one rank)."""
+        self.ctx, self.device = ctx, ctx.device
+        self._clear()
+        self._active = self.comm.size > 1
+        if not self._active:
+            return False
+        import cupy
+
+        self._cupy, self._began = cupy, True
+        self.stream = self.device.stream
+        return True
+
+
+class IpcSend(_IpcHalf):
     """The sending half: exports this rank's buffers to the right neighbour, announces each chunk
     it may read ("ready") and waits for its "read done" before this rank overwrites it."""
 
@@ -216,15 +233,9 @@ class IpcSend:
         waits here for a neighbour that is still sending its own handles."""
         if self.fallback is not None:
             return self.fallback.begin(ctx, work, src, bounds)
-        self.ctx, self.device = ctx, ctx.device
-        self._clear()
-        self._active = self.comm.size > 1
-        if not self._active:
+        if not self._start(ctx):
             return None
-        import cupy
-
-        self._cupy, self._began = cupy, True
-        self.stream = self.device.stream
+        cupy = self._cupy
         self._work, self._src, self._acc, self._bounds = work, src, ctx.acc, bounds
         base = ctx.identity()
         t_handles, self._t_ready, self._t_done, t_reply = (
@@ -329,6 +340,11 @@ class IpcSend:
             return None
         if not self._connect(step.index):
             return self.fallback.post(step, send, writes)
+        return self._post(step, send, writes)
+
+    def _post(self, step: Any, send: Any, writes: bool) -> None:
+        """The step's handshake, once the edge is known to be IPC: "ready" for the chunk sent,
+        and the right's "read done" for the earlier ones before this rank writes."""
         mpi, right = self.comm.mpi, self.comm.right
         if send is not None and send.size:
             slot, offset = self._locate(send)
@@ -417,7 +433,7 @@ class IpcSend:
         return None
 
 
-class IpcRecv:
+class IpcRecv(_IpcHalf):
     """The receiving half: maps the left's buffers and reads each announced chunk from them,
     then tells the left "read done"."""
 
@@ -455,15 +471,9 @@ class IpcRecv:
         left's allocations this rank closed since the last call."""
         if self.fallback is not None:
             return self.fallback.begin(ctx, work, src, bounds)
-        self.ctx, self.device = ctx, ctx.device
-        self._clear()
-        self._active = self.comm.size > 1
-        if not self._active:
+        if not self._start(ctx):
             return None
-        import cupy
-
-        self._cupy, self._began = cupy, True
-        self.stream = self.device.stream
+        cupy = self._cupy
         base = ctx.identity()
         t_handles, self._t_ready, self._t_done, t_reply = (
             base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
@@ -560,9 +570,11 @@ class IpcRecv:
     def recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
         if self.fallback is not None:
             yield from self.fallback.recv(step, sender)
-            return
-        if self._incoming is None:
-            return
+        elif self._incoming is not None:
+            yield from self._recv(step, sender)
+
+    def _recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
+        """The step's incoming chunk, as a view of the left's mapped memory, once it is announced."""
         req, row, count, dtype = self._incoming
         sender.pump(step, 0)
         wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)

@@ -289,13 +289,7 @@ class IpcStreamSend(IpcSend):
             table[row] = (st.index, self._slot_of[_ENGINE_SLOT[send_from]], lo * a.itemsize, (hi - lo) * a.itemsize)
             row += 1
 
-    def post(self, step: Any, send: Any, writes: bool) -> None:
-        if self.fallback is not None:
-            return self.fallback.post(step, send, writes)
-        if not self._active:
-            return None
-        if not self._connect(step.index):
-            return self.fallback.post(step, send, writes)
+    def _post(self, step: Any, send: Any, writes: bool) -> None:
         stream = self.stream
         if send is not None and send.size:
             slot, offset = self._locate(send)
@@ -316,15 +310,6 @@ class IpcStreamSend(IpcSend):
             self._hs.wait(self.ctx, self.stream, self._flags.ptr + DONE, want, step, self.comm.right,
                           "the right neighbour to finish reading this rank's chunks (ipc-stream, on the GPU)")
             self._awaited = want
-
-    def pump(self, step: Any, piece: int) -> None:
-        if self.fallback is not None:
-            self.fallback.pump(step, piece)
-
-    def step_done(self, step: Any) -> None:
-        if self.fallback is not None:
-            return self.fallback.step_done(step)
-        return None
 
     def end(self) -> None:
         if self._active and self._connect(None):
@@ -370,12 +355,7 @@ class IpcStreamRecv(IpcRecv):
         self._incoming = (recv_count, np.dtype(recv_dtype)) if recv_count else None
         return None
 
-    def recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
-        if self.fallback is not None:
-            yield from self.fallback.recv(step, sender)
-            return
-        if self._incoming is None:
-            return
+    def _recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
         count, dtype = self._incoming
         slot, offset, nbytes = self._where.get(step.index, (-1, 0, 0))
         view = self._peer[slot] if 0 <= slot < len(SLOTS) else None
