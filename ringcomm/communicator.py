@@ -226,8 +226,13 @@ class Communicator:
         if self._aborted == _CLOSED:
             return
         self._free_plans()
-        for link in self._transports.values():
-            link.close()
+        # ipc-stream: calls return before their GPU work; mappings close only after it completed
+        drained = all([hs.drain(self) for hs in self._handshakes.values()])
+        for kind, link in self._transports.items():
+            if drained or kind == "host":
+                link.close()
+            else:  # GPU work still queued may use the mappings and what they map: kept for the process's life
+                abandon(None, link)
         for hs in self._handshakes.values():
             hs.close()
         self._handshakes.clear()

@@ -21,8 +21,11 @@ chunks of the edge alike (the n-th non-empty chunk sent is the n-th received):
 Every write goes on the communicator's signal stream, after an event of the caller's stream (the
 work it signals): calls may come on different streams, and an edge's counter must grow in the
 order of the calls. Where each chunk lies (buffer, offset, length) is known at the start of the call
-(``engine.bind``): the sender sends the whole table with its handles, so the right checks sizes on
-the host before it queues anything. Counters compare cyclically (CU_STREAM_WAIT_VALUE_GEQ is
+(``engine.bind``): the sender sends the whole table with its handles, and the right checks every
+size against its own schedule on the host before it queues anything. (The left's call may then
+already be queued: its stream waits until its watchdog releases it; its next call sees the abort.)
+``Communicator.close()`` first waits, on the host and within the timeout, until every queued wait and
+counter write has completed, and only then closes the mappings. Counters compare cyclically (CU_STREAM_WAIT_VALUE_GEQ is
 ``(int32_t)(*addr - value) >= 0``), so they never need resetting.
 
 No kernel spins: a wait lives in a stream's front end, not on an SM, so ranks may share one GPU
@@ -226,6 +229,27 @@ class Handshake:
         with self._lock:
             self._since = time.monotonic()
 
+    def drain(self, comm: Any) -> bool:
+        """Wait on the host (within the timeout) until every wait and counter write queued so far
+        has completed: then no queued kernel reads a neighbour's mapping and no write into one is
+        pending, so the mappings may be closed. False when they did not complete in time."""
+        from .staged import wait_event
+        from ..devices import HostDevice
+        from ..engine import Context
+
+        ctx = Context("Communicator.close()", comm, HostDevice(), np.dtype(np.uint8), None)
+        try:
+            for stream in (self.wait_stream, self.signal_stream):
+                with self._cupy.cuda.Device(self.device_id):
+                    done = self._cupy.cuda.Event(block=False, disable_timing=True)
+                    done.record(stream)
+                wait_event(done, ctx, None, comm.rank, "the GPU to finish this communicator's ipc-stream steps")
+        except Exception as e:  # noqa: BLE001 - a stuck peer: the mappings must stay
+            log.warning("ringcomm: rank %d closes with ipc-stream work still queued (%s); its CUDA IPC mappings "
+                        "and exported memory stay for the life of the process", comm.rank, e)
+            return False
+        return True
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -251,7 +275,7 @@ class IpcStreamSend(IpcSend):
         super().__init__(comm)
         self._flags = None  # this half's flag buffer (cupy.cuda.Memory), made once
         self._announced = 0  # chunks announced on this edge (READY's value), over all calls
-        self._awaited = 0  # the DONE value the stream already waits for
+        self._awaited = (None, 0)  # (stream, DONE value) that stream already waits for
 
     def _desc_rows(self) -> int:
         return len(SLOTS) + self._table_rows
@@ -306,10 +330,13 @@ class IpcStreamSend(IpcSend):
         """Order the stream after the right's DONE reaches ``before`` (default: every chunk
         announced so far)."""
         want = self._announced if before is None else before
-        if want > self._awaited:
+        stream, awaited = self._awaited
+        # a wait queued for another stream (an earlier call's) orders nothing here: calls may come
+        # on streams with no order between them, and this half's scratch is reused across calls
+        if want > awaited or (want and stream is not self.stream):
             self._hs.wait(self.ctx, self.stream, self._flags.ptr + DONE, want, step, self.comm.right,
                           "the right neighbour to finish reading this rank's chunks (ipc-stream, on the GPU)")
-            self._awaited = want
+            self._awaited = (self.stream, want)
 
     def end(self) -> None:
         if self._active and self._connect(None):
@@ -348,6 +375,25 @@ class IpcStreamRecv(IpcRecv):
             self._left_flags = pointer(flags)
             table = self._desc_in[len(SLOTS):, :4]
             self._where = {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in table if r[0] >= 0}
+            self._check_sizes(ctx, bounds)
+
+    def _check_sizes(self, ctx: Any, bounds: Any) -> None:
+        """Every chunk this call will read, against what the left said it will send (before
+        anything is queued: a mismatch found at step k would leave steps 0..k-1 on the GPU)."""
+        acc = ctx.acc
+        steps, _ = ctx.sends
+        for st in steps:
+            if st.recv is None:
+                continue
+            lo, hi = bounds[st.recv]
+            want = (hi - lo) * (acc.itemsize if acc is not None and st.reduce else ctx.dtype.itemsize)
+            got = self._where.get(st.index, (-1, 0, 0))[2]
+            if want and got != want:
+                raise MismatchError(
+                    f"{ctx.collective} call {ctx.call}: rank {self.comm.rank} expects {want} bytes of chunk "
+                    f"{st.recv} from rank {self.comm.left} at step {st.index}, and rank {self.comm.left} will send "
+                    f"{got} bytes at that step: the ranks disagree on the count or the dtype"
+                )
 
     def post(self, step: Any, recv_count: int, recv_into: Any, recv_dtype: Any) -> None:
         if self.fallback is not None:

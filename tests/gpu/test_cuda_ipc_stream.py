@@ -104,3 +104,101 @@ def test_bitwise_ipc_and_many_calls_without_host_waits():
                 assert got == results[count][1], f"ipc-stream differs from ipc at count {count}"
         comm.check_errors()
         comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_close_waits_for_the_queued_work_before_unmapping():
+    """close() right after a call whose GPU work has not run (rank 1's stream held by a gate that
+    opens 0.5 s later): close waits for the queued steps before it closes the mappings, so the
+    kernels never read unmapped memory and the result is right."""
+    import threading
+    import time
+
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    comm = comm_with("ipc-stream", small_bytes=0)
+    ops = StreamOps()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(100_000, dtype=cupy.float32) + r
+        gate = cupy.zeros(1, cupy.uint32)
+    comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)
+    s.synchronize()
+    if r == 1:
+        ops.wait(s, gate.data.ptr, 1)
+        dev = cupy.cuda.runtime.getDevice()
+
+        def open_gate() -> None:  # a new thread: its driver calls need the device's context current
+            cupy.cuda.Device(dev).use()
+            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
+
+        opener = threading.Timer(0.5, open_gate)
+        opener.start()
+    comm.all_reduce(x, stream=s)
+    t0 = time.monotonic()
+    comm.close()
+    if r == 1:
+        opener.join()
+        assert time.monotonic() - t0 >= 0.3, "close did not wait for the queued steps"
+    s.synchronize()
+    want = (np.arange(100_000, dtype=np.float64) * n + sum(range(n))).astype(np.float32)
+    np.testing.assert_array_equal(cupy.asnumpy(x), want)
+    deadline_barrier(mpi)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_send_scratch_is_not_overwritten_by_a_call_on_another_stream(monkeypatch):
+    """Memory that cannot be exported goes through the sender's scratch. Call 1 on stream A, call 2
+    on stream B, the right neighbour held back: call 2's copy into the scratch must wait (on B) for
+    the right to have read call 1's chunk, although call 1's wait was queued on A."""
+    import time
+
+    monkeypatch.setenv("RINGCOMM_EMULATED_NO_IPC_POOL", "1")  # (the emulated GPU; no effect on a real one)
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    comm = comm_with("ipc-stream", small_bytes=0)
+    ops = StreamOps()
+    m = 4096
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with a:
+        out1, out2 = cupy.zeros(n * m, cupy.float32), cupy.zeros(n * m, cupy.float32)
+        gate = cupy.zeros(1, cupy.uint32)
+        comm.all_gather(cupy.full(m, -1.0, cupy.float32), out=cupy.empty(n * m, cupy.float32), stream=a)  # set-up
+        out1[r * m:(r + 1) * m] = 1 + 10 * r
+        out2[r * m:(r + 1) * m] = 2 + 10 * r
+    a.synchronize()
+    if r == 1:
+        ops.wait(a, gate.data.ptr, 1)
+    try:
+        comm.all_gather(out1[r * m:(r + 1) * m], out=out1, stream=a)
+        comm.all_gather(out2[r * m:(r + 1) * m], out=out2, stream=b)
+        if r == 1:
+            time.sleep(0.5)  # rank 0's call 2 on B has every chance to overwrite its scratch now
+    finally:
+        if r == 1:
+            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
+    a.synchronize()
+    b.synchronize()
+    for out, base in ((out1, 1), (out2, 2)):
+        want = np.repeat([base + 10.0 * k for k in range(n)], m).astype(np.float32)
+        np.testing.assert_array_equal(cupy.asnumpy(out), want)
+    comm.check_errors()
+    deadline_barrier(mpi)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ranks_disagreeing_on_the_count_fail_before_queuing():
+    """Rank 1 all-reduces another count: the receiving halves compare every chunk the left will
+    send against their own schedule at the start of the call, and both ranks raise MismatchError."""
+    import ringcomm
+
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    comm = comm_with("ipc-stream", small_bytes=0)
+    x = cupy.ones(5000 if r == 0 else 7000, cupy.float32)
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError)) as caught:
+        comm.all_reduce(x)
+    assert "disagree" in str(caught.value), caught.value
+    deadline_barrier(MPI.COMM_WORLD)
