@@ -31,23 +31,27 @@ def _use_local_gpu() -> None:
     node.Free()
 
 
+def _gated(count: int):
+    """An ipc-stream communicator past its first call (mappings and flags set up), a stream, an
+    input of ``count`` float32 (arange + rank) and a closed gate word for StreamOps waits."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    comm = comm_with("ipc-stream", small_bytes=0)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(count, dtype=cupy.float32) + mpi.rank
+        gate = cupy.zeros(1, cupy.uint32)
+    comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)  # set-up (mappings, flags) on a first call
+    s.synchronize()
+    return mpi, mpi.rank, mpi.size, comm, StreamOps(), s, x, gate
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_the_call_returns_before_any_of_its_kernels_ran():
     """Rank 0's stream is held by a gate (a value wait) queued before the call: all_reduce(x,
     stream=s) still returns, with nothing on s having run (an event after it is not complete, and
     on the emulated GPU no kernel ran); once the gate opens, the result is right on every rank."""
-    _use_local_gpu()
-    mpi = MPI.COMM_WORLD
-    r, n = mpi.rank, mpi.size
-    comm = comm_with("ipc-stream", small_bytes=0)
-    ops = StreamOps()
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        x = cupy.arange(10_001, dtype=cupy.float32) + r
-        gate = cupy.zeros(1, cupy.uint32)
-    s.synchronize()
-    comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)  # set-up (mappings, flags) on a first call
-    s.synchronize()
+    mpi, r, n, comm, ops, s, x, gate = _gated(10_001)
     if r == 0:
         ops.wait(s, gate.data.ptr, 1)
     ran = cupy._emulated_kernels_run() if hasattr(cupy, "_emulated_kernels_run") else None
@@ -114,17 +118,7 @@ def test_close_waits_for_the_queued_work_before_unmapping():
     import threading
     import time
 
-    _use_local_gpu()
-    mpi = MPI.COMM_WORLD
-    r, n = mpi.rank, mpi.size
-    comm = comm_with("ipc-stream", small_bytes=0)
-    ops = StreamOps()
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        x = cupy.arange(100_000, dtype=cupy.float32) + r
-        gate = cupy.zeros(1, cupy.uint32)
-    comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)
-    s.synchronize()
+    mpi, r, n, comm, ops, s, x, gate = _gated(100_000)
     if r == 1:
         ops.wait(s, gate.data.ptr, 1)
         dev = cupy.cuda.runtime.getDevice()
