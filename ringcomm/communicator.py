@@ -85,14 +85,17 @@ class Communicator:
         self.mpi: MPI.Intracomm = dup
         self.left = (self.rank - 1) % self.size  # (named by set-up waits until the ring is known)
         self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
+        #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
+        self.node_comm: MPI.Intracomm | None = None
         if labels is None:  # MPI's shared-memory split: a node is named by its lowest rank
-            #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
-            self.node_comm: MPI.Intracomm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+            self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
             lowest = MPI.Group.Translate_ranks(self.node_comm.Get_group(), [0], self.mpi.Get_group())[0]
             leaders = self._allgather_ints(setup, [lowest], "finding every rank's node")[:, 0]
             labels = tuple(f"node{int(r)}" for r in leaders)
-        else:
-            self.node_comm = self.mpi.Split(sorted(set(labels)).index(labels[self.rank]), self.rank)
+        #: this rank's node as a number (its label's place among the sorted labels), the same on every rank
+        self.node_index = sorted(set(labels)).index(labels[self.rank])
+        if self.node_comm is None:
+            self.node_comm = self.mpi.Split(self.node_index, self.rank)
         #: the node label of every rank, in MPI rank order (RINGCOMM_NODES, or "node<lowest rank>")
         self.nodes: tuple[str, ...] = labels
         #: the MPI ranks in ring order: each node's ranks adjacent, in MPI order (schedule.ring_order)

@@ -252,9 +252,8 @@ def gpu_record(comm: Any, forced: str) -> PeerRecord:
         bus_id(cupy.cuda.Device(d).pci_bus_id) for d in range(rt.getDeviceCount())
         if d != me and rt.deviceCanAccessPeer(me, d)
     )
-    node = sorted(set(comm.nodes)).index(comm.nodes[comm.rank])
     streamops = forced == "ipc-stream" and not _stream_ops_problem(comm)
-    return PeerRecord(node, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops)
+    return PeerRecord(comm.node_index, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops)
 
 
 def _stream_ops_problem(comm: Any) -> str:

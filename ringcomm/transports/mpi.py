@@ -35,18 +35,25 @@ from .. import tags
 from .base import as_bytes, cancel, slices, wait
 
 
-class MpiSend:
-    """The sending half: MPI_Isend of each slice to the right neighbour."""
+class _MpiHalf:
+    """What both MPI halves share: a name, the slice size, and binding a call (its device, its tag)."""
 
     def __init__(self, comm: Any, slice_bytes: int, name: str = "mpi") -> None:
         self.comm, self.slice_bytes, self.name = comm, slice_bytes, name
-        self._sends: list = []
 
     def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
         self.ctx, self.device = ctx, ctx.device
         self._on_host = self.device.name == "host"
         self._tag = ctx.identity() | tags.DATA
         ctx.expect += (self._tag,)
+
+
+class MpiSend(_MpiHalf):
+    """The sending half: MPI_Isend of each slice to the right neighbour."""
+
+    def __init__(self, comm: Any, slice_bytes: int, name: str = "mpi") -> None:
+        super().__init__(comm, slice_bytes, name)
+        self._sends: list = []
 
     def post(self, step: Any, send: Any, writes: bool) -> None:
         if send is None or not send.size:
@@ -86,22 +93,19 @@ class MpiSend:
         return [self.comm.mpi.Send_init(as_bytes(send[lo:hi]), self.comm.right, tag) for lo, hi in slices(send.size, per)]
 
 
-class MpiRecv:
+class MpiRecv(_MpiHalf):
     """The receiving half: MPI_Irecv of each slice from the left neighbour."""
 
     #: a reduce step's incoming pieces are this half's own scratch: the device may overwrite them
     private = True
 
     def __init__(self, comm: Any, slice_bytes: int, name: str = "mpi") -> None:
-        self.comm, self.slice_bytes, self.name = comm, slice_bytes, name
+        super().__init__(comm, slice_bytes, name)
         self._scratch = None  # raw uint8 scratch for reduce steps, reused across calls
         self._recvs: list = []
 
     def begin(self, ctx: Any, work: Any, src: Any, bounds: Any) -> None:
-        self.ctx, self.device = ctx, ctx.device
-        self._on_host = self.device.name == "host"
-        self._tag = ctx.identity() | tags.DATA
-        ctx.expect += (self._tag,)
+        super().begin(ctx, work, src, bounds)
         if not self._on_host:  # MPI's writes into device memory are not ordered with the stream's work
             self.device.synchronize(ctx, None, self.comm.rank, "this rank's GPU work before the call's receives")
 
