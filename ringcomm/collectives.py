@@ -24,6 +24,9 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     tensor, else on CuPy's current stream (arrays.default_stream). DLPack imports happen on it.
     """
     comm._usable()
+    if type(x) is np.ndarray and stream is None:  # a numpy array: nothing to import, no stream to pick
+        check_dtype(x.dtype, op)
+        return "host", flat(x, name), comm._host
     run_on = stream if type(x) is np.ndarray else default_stream(x, stream, name)  # numpy: no stream to pick
     kind, a = classify(x, name, run_on)
     check_dtype(a.dtype, op)
@@ -37,7 +40,7 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any
 
     ``device``: the input's (from _input); a GPU DLPack ``out`` is imported on its stream.
     """
-    okind, o = classify(out, name, device.stream)
+    okind, o = ("host", out) if type(out) is np.ndarray else classify(out, name, device.stream)
     if okind != kind:
         raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
     if o.dtype != dtype:
@@ -81,11 +84,11 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
         # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
         # then fold the N blocks locally in the ring's order (bitwise the ring's result). Block p
         # is the data of the rank at ring place p.
-        plan, fold, reused = comm._gather_plan(ctx, kind, count)
+        gather, mine, fold, reused = comm._gather_plan(ctx, kind, count)
         if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
             reused.after(device)
-        device.copy(plan.buf[r * count : (r + 1) * count], src)
-        comm._run_plan(ctx, count, plan)
+        device.copy(mine, src)
+        comm._run_plan(ctx, kind, count, gather)
         if wide:
             fold(ctx, work, comm._partial_sums(kind, device, count))
             comm._scratch_done((kind, "partial sums"), device)
@@ -106,7 +109,7 @@ def reduce_scatter(
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
-    bounds = comm.shard_bounds(src.size)
+    bounds = schedule.partition(src.size, comm.size)  # comm.shard_bounds, as a tuple
     lo, hi = bounds[comm.rank]
     result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
@@ -141,7 +144,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         sizes = comm._guarded(lambda: comm._agree(ctx, "all_gather", 0, -1, extra=src.size))[:, -1]
         agreed = True
         stops = np.cumsum(sizes)
-        bounds = [(int(b - s), int(b)) for b, s in zip(stops, sizes)]
+        bounds = tuple((int(b - s), int(b)) for b, s in zip(stops, sizes))
         work = device.empty(int(stops[-1]), src.dtype)
         lo, hi = bounds[r]
     if relation(work[lo:hi], src) != "same":

@@ -11,9 +11,11 @@ from mpi4py import MPI
 from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .engine import Context, Fold, Plan, execute
+from .transports.mpi import GatheredBlocks
 from .errors import AbortError, MismatchError, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
+from .arrays import span
 from .transports.base import abandon, wait
 
 log = logging.getLogger("ringcomm")
@@ -25,7 +27,18 @@ DEFAULT_SLICE_BYTES = 1 << 20
 #: 160-320 KB with this machine's alpha and beta for N >= 4; at N = 2 gathering is never worse), and
 #: measured 13-19 us faster than the ring from 8 to 64 KiB at N = 2 and 2x at N = 4
 DEFAULT_SMALL_BYTES = 1 << 16
-PLAN_LIMIT = 64  # cached small all-reduce plans (one per count and dtype)
+#: cached ring plans (engine.Plan): at most this many, owning at most PLAN_CACHE_BYTES together
+#: (all are freed, between collectives, when one more would not fit)
+PLAN_LIMIT = 64
+PLAN_CACHE_BYTES = 64 << 20
+#: cached small all-reduces (one per kind, count and dtype; each owns N·count elements, at most
+#: N·small_bytes bytes): all are freed when one more would not fit. The cache follows the calls
+#: alone (never addresses), so every rank frees and remakes them at the same calls, as the
+#: persistent MPI_Allgather_init on the host needs (persistent collectives match in init order)
+GATHER_LIMIT = 16
+#: host collectives on buffers up to this size run cached plans (persistent requests); above it
+#: a step's Python costs under 1 % of its time, and the engine's loop runs (no memory is kept)
+PLAN_BYTES = 4 << 20
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank (int64), then its error in UTF-8
@@ -83,6 +96,10 @@ class Communicator:
         dup, request = mpi_comm.Idup()
         wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
         self.mpi: MPI.Intracomm = dup
+        #: small host all-reduces' persistent MPI_Allgather (GatheredBlocks): a communicator of their own
+        dup, request = dup.Idup()
+        wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
+        self._gather_mpi: MPI.Intracomm = dup
         self.left = (self.rank - 1) % self.size  # (named by set-up waits until the ring is known)
         self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
         #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
@@ -117,7 +134,9 @@ class Communicator:
         self._probe = MPI.Status()
         self._transports: dict[str, Any] = {}
         self._scratch: dict[str, Any] = {}
-        self._plans: dict[tuple, Any] = {}
+        self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
+        self._plan_bytes = 0
+        self._gathers: dict[tuple, Any] = {}  # small all-reduces' (gather, mine, Fold, Reused) by kind, count, dtype
         #: ipc-stream: the GPU-side handshakes (wait streams and watchdogs) by device, and the error a
         #: watchdog found after a call returned (raised by the next call or check_errors())
         self._handshakes: dict[int, Any] = {}
@@ -229,6 +248,7 @@ class Communicator:
         if self._aborted == _CLOSED:
             return
         self._free_plans()
+        self._free_gathers()
         # ipc-stream: calls return before their GPU work; mappings close only after it completed
         drained = all([hs.drain(self) for hs in self._handshakes.values()])
         for kind, link in self._transports.items():
@@ -244,6 +264,7 @@ class Communicator:
             reused.free()
         self._scratch.clear()
         self.node_comm.Free()
+        self._gather_mpi.Free()
         self.mpi.Free()
         self._aborted = _CLOSED
 
@@ -285,7 +306,8 @@ class Communicator:
         self._scratch[kind].done(device)
 
     def _usable(self) -> None:
-        self.check_errors()
+        if self._late_error is not None:
+            self.check_errors()
         if self._aborted:
             raise RingcommError(f"this communicator was aborted by an earlier error ({self._aborted}); create a new one")
 
@@ -398,11 +420,20 @@ class Communicator:
     ) -> None:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
 
-        With ``ctx.wide`` (accumulate="float32" on a half type) the partial sums live in
-        :meth:`_partial_sums` (``ctx.acc``) for the call."""
+        On the host, buffers up to PLAN_BYTES run a cached :class:`ringcomm.engine.Plan` (found by
+        the collective, root, dtype, chunk bounds and the buffers' addresses). With ``ctx.wide``
+        (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
+        (``ctx.acc``) for the call, and the engine's loop runs."""
         link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
+        elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
+            key = (ctx.collective, root, ctx.dtype, bounds, span(work)[0], span(src)[0])
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._cache(key, Plan(ctx, steps, bounds, work, src, link, result_chunks))
+            self._launch(ctx, count, root, agreed, "ring", link, len(steps), lambda: plan.run(ctx, work, src))
+            return
         self._launch(
             ctx, count, root, agreed, "ring", link, len(steps),
             lambda: execute(ctx, steps, bounds, work, src, link, result_chunks),
@@ -415,42 +446,62 @@ class Communicator:
         call ``_scratch_done((kind, "partial sums"), device)`` after the call's last use."""
         return self._scratch_array((kind, "partial sums"), device, count, np.dtype(np.float32))
 
-    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any]:
-        """The cached (Plan, Fold, Reused) of a small all-reduce of ``count`` elements: the plan
-        all-gathers N whole buffers into a buffer of its own, the fold reduces them into the
-        result. On GPUs the buffer is a Reused one: the caller orders its stream after the
-        buffer's last use before the call and marks it done after the fold (None on the host,
-        where every operation is complete when it returns).
+    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any, Any]:
+        """The cached (gather, mine, Fold, Reused) of a small all-reduce of ``count`` elements.
 
-        Each plan owns N·count elements (at most N·small_bytes bytes); at most PLAN_LIMIT are kept
-        (all freed, between collectives, when there would be more).
+        ``gather.run(ctx)`` brings every rank's whole buffer (the caller first copies its own into
+        ``mine``); the fold reduces the N blocks into the result in the ring's order. On the host
+        the gather is one persistent MPI_Allgather (transports.mpi.GatheredBlocks, on a
+        communicator of its own); on GPUs it is the ring's all-gather schedule as a Plan, into a
+        Reused buffer: the caller orders its stream after the buffer's last use before the call
+        and marks it done after the fold (``Reused`` is None on the host, where every operation
+        is complete when it returns).
         """
         key = (kind, count, ctx.dtype)
-        cached = self._plans.get(key)
+        cached = self._gathers.get(key)
         if cached is None:
-            if len(self._plans) >= PLAN_LIMIT:
-                self._free_plans()
+            if len(self._gathers) >= GATHER_LIMIT:
+                self._free_gathers()
             n = self.size
             if kind == "host":
-                reused, blocks = None, ctx.device.empty(n * count, ctx.dtype)
+                gather = GatheredBlocks(self, self._gather_mpi, ctx.dtype, count)
+                reused, mine, by_place = None, gather.mine, [gather.blocks[rank] for rank in self.ring]
             else:
                 reused = devices.Reused()
                 blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
-            steps = schedule.all_gather(n, self.position)
-            plan = Plan(ctx, steps, schedule.blocks(count, n), blocks, self._transport(kind))
-            fold = Fold(blocks, count, self._in_ring(schedule.partition(count, n)), n)
-            cached = self._plans[key] = (plan, fold, reused)
+                gather = Plan(ctx, schedule.all_gather(n, self.position), schedule.blocks(count, n), blocks, blocks,
+                              self._transport(kind), own=True)
+                gather.nbytes += blocks.nbytes
+                by_place = [blocks[p * count : (p + 1) * count] for p in range(n)]
+                mine = by_place[self.position]
+            fold = Fold(by_place, self._in_ring(schedule.partition(count, n)), n)
+            cached = self._gathers[key] = (gather, mine, fold, reused)
         return cached
 
-    def _run_plan(self, ctx: Context, count: int, plan: Any) -> None:
-        self._launch(ctx, count, -1, False, "gather-fold", plan.link, len(plan.steps), lambda: plan.run(ctx))
+    def _run_plan(self, ctx: Context, kind: str, count: int, gather: Any) -> None:
+        algorithm = "gather-fold (MPI_Allgather_init)" if kind == "host" else "gather-fold"
+        self._launch(ctx, count, -1, False, algorithm, self._transport(kind), self.size - 1, lambda: gather.run(ctx))
+
+    def _cache(self, key: tuple, plan: Plan) -> Plan:
+        """Keep the ring plan under ``key``, within PLAN_LIMIT and PLAN_CACHE_BYTES."""
+        if len(self._plans) >= PLAN_LIMIT or self._plan_bytes + plan.nbytes > PLAN_CACHE_BYTES:
+            self._free_plans()
+        self._plans[key] = plan
+        self._plan_bytes += plan.nbytes
+        return plan
 
     def _free_plans(self) -> None:
-        for plan, _, reused in self._plans.values():
+        for plan in self._plans.values():
             plan.free()
+        self._plans.clear()
+        self._plan_bytes = 0
+
+    def _free_gathers(self) -> None:
+        for gather, _, _, reused in self._gathers.values():
+            gather.free()
             if reused is not None:
                 reused.free()
-        self._plans.clear()
+        self._gathers.clear()
 
     def _launch(
         self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, link: Any, nsteps: int, run: Any

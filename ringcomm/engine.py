@@ -196,49 +196,86 @@ def execute(
 
 
 class Plan:
-    """A copy-only schedule (an all-gather) bound once to a buffer of its own, run many times.
+    """A schedule bound once to the places of its buffers, run many times.
 
-    When the link can prepare a step (``link.prepare``: MPI halves on host memory make persistent
-    requests, MPI_Send_init/Recv_init), a run restarts them with no set-up at all; otherwise a run
-    is the engine's loop, :func:`execute`. Used where latency is everything: small all-reduces.
+    Made for one call's steps, chunk bounds and roles of its buffers (``work`` and ``src``, the
+    same array or not: :func:`bind`). When the link can prepare every step (``link.prepare``: MPI
+    halves on host memory make persistent requests, MPI_Send_init/Recv_init), a run restarts them:
+    no request, view, slice list or Status is made per call, and a reduce step's incoming chunk
+    lands in the plan's own ``scratch``. Otherwise a run is the engine's loop, :func:`execute`.
+
+    The requests are bound to memory by address (transports.mpi.by_address), not to the arrays
+    of the call that made them: the Communicator looks plans up by the buffers' addresses (and the
+    collective, root, dtype and bounds), so a later call on any array at those addresses runs the
+    same plan, and a cached plan keeps no array alive. Each run slices the call's own arrays.
 
     A persistent request's tag is fixed, so the steps are prepared once per op, accumulation and
     call number modulo ``tags.PLAN_CALLS``: each run's messages still name the collective, dtype,
-    op and, modulo 4, the call (ringcomm.tags), so a rank that skipped a call cannot match its
-    neighbours' messages.
+    op, root and, modulo 4, the call (ringcomm.tags), so a rank that skipped a call cannot match
+    its neighbours' messages. ``nbytes``: the memory the plan owns (its scratch; its buffers too
+when the caller says so).
     """
 
-    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, buf: Any, link: Any) -> None:
-        if any(st.reduce for st in steps):
-            raise ValueError("a Plan runs copy steps only")
-        self.steps, self.bounds, self.buf, self.link = steps, bounds, buf, link
-        self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * buf.itemsize
-        self._prepare = link.prepare
-        self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4, op
+    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, work: Any, src: Any, link: Any,
+                 result_chunks: Iterable[int] = (), own: bool = False) -> None:
+        self.steps, self.bounds, self.link, self.result_chunks = steps, bounds, link, tuple(result_chunks)
+        #: ``own``: work and src are the plan's own buffers, which run() uses when given none
+        self._own = (work, src) if own else None
+        bound, written = bind(steps, len(bounds), work is src, False)
+        self._bound = bound
+        itemsize = ctx.dtype.itemsize
+        self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * itemsize
+        #: per step: the slice of its incoming chunk, the buffer it reduces with (None: a copy step)
+        self._actions = tuple(
+            (None if st.recv is None else slice(*bounds[st.recv]), local_from if st.reduce and st.recv is not None else None)
+            for st, (_, _, local_from) in zip(steps, bound)
+        )
+        self._copies = tuple(slice(*bounds[c]) for c in self.result_chunks if not written[c])
+        chunk = max((bounds[st.recv][1] - bounds[st.recv][0] for st in steps if st.reduce and st.recv is not None), default=0)
+        self._scratch = ctx.device.empty(chunk, ctx.dtype)
+        self.nbytes = chunk * itemsize
+        self._preparable = True  # until the link cannot prepare a step
+        self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4: op, wide
 
-    def run(self, ctx: Context) -> int:
-        """Run the steps; return the payload bytes this rank sent."""
-        if self._prepare is None:
-            return execute(ctx, self.steps, self.bounds, self.buf, self.buf, self.link)
-        prepared = self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide))
+    def run(self, ctx: Context, work: Any = None, src: Any = None) -> int:
+        """Run the steps on this call's ``work`` and ``src`` (at the addresses the plan was made
+        for; by default its own); return the payload bytes this rank sent."""
+        if work is None:
+            work, src = self._own
+        prepared = self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide)) if self._preparable else None
         if prepared is None:
-            prepared = self._make(ctx)
+            prepared = self._make(ctx, work, src) if self._preparable else None
             if prepared is None:  # this link cannot prepare these buffers: the engine's loop
-                return self.run(ctx)
-        for st, step in zip(self.steps, prepared):
-            step.run(ctx, st)
+                return execute(ctx, self.steps, self.bounds, work, src, self.link, self.result_chunks)
+        op, device, n, scratch = ctx.op or ReduceOp.SUM, ctx.device, ctx.comm.size, self._scratch
+        bufs = (src, work)
+        for st, step, (into, local_from) in zip(self.steps, prepared, self._actions):
+            step.run(ctx, st)  # a copy step has received in place
+            if local_from is not None:
+                dst = work[into]
+                div = n if st.final and op is ReduceOp.AVG else 1
+                # in place (local_from == WORK): the result may go through the scratch
+                device.reduce(dst, bufs[local_from][into], scratch[: dst.size], op, div, local_from == WORK)
+        for c in self._copies:
+            device.copy(work[c], src[c])
         return self.sent
 
-    def _make(self, ctx: Context) -> list | None:
-        def view(chunk: int | None) -> Any:
-            return None if chunk is None else self.buf[slice(*self.bounds[chunk])]
-
-        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
-        prepared = [self._prepare(ctx, st, view(st.send), view(st.recv), tag) for st in self.steps]
-        if None in prepared:
-            self._free([p for p in prepared if p is not None])
-            self._prepare = None
-            return None
+    def _make(self, ctx: Context, work: Any, src: Any) -> list | None:
+        bufs = (src, work)
+        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+        prepared = []
+        for st, (send_from, _, _) in zip(self.steps, self._bound):
+            send = None if send_from is None else bufs[send_from][slice(*self.bounds[st.send])]
+            into = None
+            if st.recv is not None:
+                lo, hi = self.bounds[st.recv]
+                into = self._scratch[: hi - lo] if st.reduce else work[lo:hi]  # reduce: into the scratch
+            step = self.link.prepare(ctx, send, into, tag)
+            if step is None:
+                self._free(prepared)
+                self._preparable = False
+                return None
+            prepared.append(step)
         self._prepared[ctx.call % PLAN_CALLS][ctx.op, ctx.wide] = prepared
         return prepared
 
@@ -253,23 +290,22 @@ class Plan:
             for prepared in by_op.values():
                 self._free(prepared)
             by_op.clear()
-        self._prepare = None
+        self._preparable = False
 
 
 class Fold:
-    """Reduce the N gathered blocks ``blocks[i*count:(i+1)*count]`` into a result, chunk by chunk.
+    """Reduce N gathered blocks (``blocks[p]``: the whole buffer of the rank at ring place p) into
+    a result, chunk by chunk.
 
     Each chunk c of ``bounds`` is combined in :func:`ringcomm.schedule.fold_order` (the order in
     which reduce-scatter combines it), so the result is bitwise the ring schedule's, on every rank.
-    The views into ``blocks`` are made once; a call only reduces.
+    The views into the blocks are made once; a call only reduces.
     """
 
-    def __init__(self, blocks: Any, count: int, bounds: Bounds, n: int) -> None:
+    def __init__(self, blocks: Sequence[Any], bounds: Bounds, n: int) -> None:
         self.n = n
         self.pieces = [
-            (lo, hi, [blocks[j * count + lo : j * count + hi] for j in fold_order(n, c)])
-            for c, (lo, hi) in enumerate(bounds)
-            if hi > lo
+            (lo, hi, [blocks[j][lo:hi] for j in fold_order(n, c)]) for c, (lo, hi) in enumerate(bounds) if hi > lo
         ]
 
     def __call__(self, ctx: Context, work: Any, acc: Any = None) -> None:

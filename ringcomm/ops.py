@@ -54,7 +54,8 @@ def parse_op(op: ReduceOp | str) -> ReduceOp:
 
 def check_dtype(dtype: np.dtype, op: ReduceOp | None = None) -> np.dtype:
     """Raise TypeError unless ``dtype`` is supported (and, given ``op``, makes sense with it)."""
-    dtype = np.dtype(dtype)
+    if dtype not in _SUPPORTED:
+        dtype = np.dtype(dtype)
     if dtype not in _SUPPORTED:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"unsupported dtype {dtype}; accepted: {names}")

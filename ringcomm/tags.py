@@ -1,7 +1,7 @@
 """Message identity: every ringcomm message says, in its MPI tag, which call it belongs to.
 
-A tag packs, from the low bits up: the channel (what the message is: ring data, the small
-all-reduce plan, the CUDA IPC handshake's handles, "ready", "done" and "released" messages, an
+A tag packs, from the low bits up: the channel (what the message is: ring data, a plan's
+persistent requests, the CUDA IPC handshake's handles, "ready", "done" and "released" messages, an
 abort), then the identity of the call: the collective, the dtype (and whether a half type's partial
 sums are float32: accumulate="float32"), the op, the root and the call number (this communicator's count of collectives, the same on every rank when they call the same
 sequence). A receive posted for one call can then never match a message of another: ranks that
@@ -26,9 +26,9 @@ from .ops import HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp
 
 #: what a message is (the low 3 bits of its tag)
 DATA, PLAN, HANDLES, READY, DONE, RELEASED, ABORT, END = range(8)
-CHANNEL_NAMES = ("data", "small all-reduce plan", "ipc handles", "ipc ready", "ipc done", "ipc released", "abort",
+CHANNEL_NAMES = ("data", "plan (persistent requests)", "ipc handles", "ipc ready", "ipc done", "ipc released", "abort",
                  "end")
-#: a small all-reduce plan's persistent requests carry the call number modulo this (engine.Plan)
+#: a plan's persistent requests carry the call number modulo this (engine.Plan)
 PLAN_CALLS = 4
 #: the collectives a tag can name ("close": the CUDA IPC transport's closing handshake)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "close")

@@ -169,18 +169,19 @@ class Link:
     def describe(self) -> str:
         return describe_edges(self.comm.ring, self.current())
 
-    def prepare(self, ctx: Any, step: Any, send: Any, recv_into: Any, tag: int) -> PreparedStep | None:
-        """Persistent requests with ``tag`` for one copy step of a Plan, when both halves can make
-        them for these buffers (MPI halves on host memory); None otherwise."""
+    def prepare(self, ctx: Any, send: Any, recv_into: Any, tag: int) -> PreparedStep | None:
+        """Persistent requests with ``tag`` for one step of a Plan (``send``: the outgoing chunk's
+        view or None; ``recv_into``: where the incoming chunk lands, or None), when both halves can
+        make them for these buffers (MPI halves on host memory); None otherwise."""
         make_recvs, make_sends = getattr(self.recv, "prepare", None), getattr(self.send, "prepare", None)
         if make_recvs is None or make_sends is None:
             return None
         recvs, sends = make_recvs(ctx, recv_into, tag), make_sends(ctx, send, tag)
         if recvs is None or sends is None:
-            for req in (recvs or ([], []))[0] + (sends or []):
+            for req in [req for *_, req in recvs or ()] + (sends or []):
                 req.Free()
             return None
-        return PreparedStep(self.comm, recvs[0], sends, recvs[1], tag)
+        return PreparedStep(self.comm, recvs, sends, tag)
 
     def close(self) -> None:
         """Free both halves (collective, as Communicator.close(): receiving halves go first)."""

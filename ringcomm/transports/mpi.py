@@ -29,10 +29,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import tags
-from .base import as_bytes, cancel, slices, wait
+from ..arrays import span
+from ..errors import MismatchError
+from .base import BYTE, abandon, as_bytes, cancel, slices, wait
 
 
 class _MpiHalf:
@@ -89,8 +92,8 @@ class MpiSend(_MpiHalf):
             return None
         if send is None:
             return []
-        per = max(1, self.slice_bytes // ctx.dtype.itemsize)
-        return [self.comm.mpi.Send_init(as_bytes(send[lo:hi]), self.comm.right, tag) for lo, hi in slices(send.size, per)]
+        per = max(1, self.slice_bytes // send.itemsize)
+        return [self.comm.mpi.Send_init(by_address(send[lo:hi]), self.comm.right, tag) for lo, hi in slices(send.size, per)]
 
 
 class MpiRecv(_MpiHalf):
@@ -148,37 +151,43 @@ class MpiRecv(_MpiHalf):
         """Drop the scratch buffer (the communicator is being freed)."""
         self._scratch = None
 
-    def prepare(self, ctx: Any, recv_into: Any, tag: int) -> tuple[list, list[int]] | None:
-        """Persistent receives with ``tag`` into the view ``recv_into``, and the bytes each must get
-        (host memory only; None otherwise)."""
+    def prepare(self, ctx: Any, recv_into: Any, tag: int) -> list | None:
+        """Persistent receives with ``tag`` into the view ``recv_into``, one per slice, as
+        ``(lo, hi, view, request)`` (host memory only; None otherwise)."""
         if ctx.device.name != "host":
             return None
         if recv_into is None:
-            return [], []
-        pieces = slices(recv_into.size, max(1, self.slice_bytes // ctx.dtype.itemsize))
+            return []
         mpi, left = self.comm.mpi, self.comm.left
-        return ([mpi.Recv_init(as_bytes(recv_into[lo:hi]), left, tag) for lo, hi in pieces],
-                [(hi - lo) * recv_into.itemsize for lo, hi in pieces])
+        return [(lo, hi, recv_into[lo:hi], mpi.Recv_init(by_address(recv_into[lo:hi]), left, tag))
+                for lo, hi in slices(recv_into.size, max(1, self.slice_bytes // recv_into.itemsize))]
 
 
 class PreparedStep:
-    """One step's persistent receives (from the left) and sends (to the right), restarted per run;
-    each receive checks that it got ``sizes`` bytes."""
+    """One step's persistent receives (from the left, ``(lo, hi, view, request)`` per slice) and
+    sends (to the right) with one tag, restarted per run; each receive checks that it got the
+    size its view has."""
 
-    def __init__(self, comm: Any, recvs: list, sends: list, sizes: list[int], tag: int) -> None:
-        self.comm, self.recvs, self.sends, self.all = comm, recvs, sends, recvs + sends
-        self.sizes, self.statuses, self.expect = sizes, [MPI.Status() for _ in recvs], (tag,)
+    def __init__(self, comm: Any, recvs: list, sends: list, tag: int) -> None:
+        self.comm, self.expect = comm, (tag,)
+        self.recvs, self.sends = [req for *_, req in recvs], sends
+        self.all = self.recvs + sends
+        self.sizes = [view.nbytes for _, _, view, _ in recvs]
+        self.statuses = [MPI.Status() for _ in recvs]
 
     def run(self, ctx: Any, step: Any) -> None:
+        """Start the step's requests and wait (within the deadline) until all are complete."""
         if not self.all:
             return
         ctx.expect = self.expect
         MPI.Prequest.Startall(self.all)
         try:
-            wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=self.sizes,
-                 statuses=self.statuses)
-            wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
-        except BaseException:
+            if self.recvs:
+                wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=self.sizes,
+                     statuses=self.statuses)
+            if self.sends:
+                wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
+        except BaseException:  # cancel the receives, abandon the sends (base.cancel)
             cancel(self.recvs, self.sends)
             raise
 
@@ -187,3 +196,92 @@ class PreparedStep:
             if req != MPI.REQUEST_NULL:
                 req.Free()
         self.all, self.recvs, self.sends = [], [], []
+
+
+def by_address(a: Any) -> list:
+    """The host array ``a``'s memory as an MPI byte buffer that holds no reference to it.
+
+    A plan's persistent requests (engine.Plan) are bound to memory, not to the array objects of
+    the call that made them: a later call runs them on whichever array then lies at that address
+    (the plan is looked up by address), and a plan kept in the cache does not keep a freed array
+    alive. They are started only while an array of the call lies there."""
+    return [MPI.buffer.fromaddress(span(a)[0], a.nbytes), BYTE]
+
+
+class GatheredBlocks:
+    """A small all-reduce's data movement on the host: every rank's whole buffer gathered by one
+    persistent MPI_Allgather (MPI 4: MPI_Allgather_init), restarted per call.
+
+    MPI's own algorithm (in C: recursive doubling, Bruck or a ring, as the library picks) then
+    moves the blocks with no Python between its rounds, which matters most when ranks share
+    cores. ``mpi``: a communicator used for nothing else (collectives match in call order, not
+    by tag), so these requests can only meet each other.
+
+    Identity: a collective carries no tag, so each block starts with a header of HEADER bytes,
+    int64 [the call's tag (ringcomm.tags: collective, dtype, op, call number), the call number,
+    the count]; after the gather every rank checks every header against its own, and a rank
+    that made another call (or has another count: a shorter block still brings its header; a
+    longer one is MPI_ERR_TRUNCATE) is a MismatchError, on every rank, before anything is folded.
+
+    ``blocks[i]``: rank i's block (count elements of the dtype); ``mine``: this rank's, where the
+    caller copies its data; ``sent``: the bytes a ring gather would send, (N-1)·count·itemsize.
+    """
+
+    HEADER = 32
+
+    def __init__(self, comm: Any, mpi: MPI.Intracomm, dtype: np.dtype, count: int) -> None:
+        n, size = comm.size, count * dtype.itemsize
+        self.comm, self.count = comm, count
+        stride = -(-(self.HEADER + size) // 16) * 16
+        self._buf = np.zeros(n * stride, np.uint8)
+        rows = self._buf.reshape(n, stride)
+        self._headers = rows[:, : self.HEADER]
+        self._mine = rows[comm.rank, : self.HEADER].view(np.int64)
+        self.blocks = [rows[i, self.HEADER : self.HEADER + size].view(dtype) for i in range(n)]
+        self.mine = self.blocks[comm.rank]
+        self.nbytes, self.sent = self._buf.nbytes, (n - 1) * size
+        self._request = mpi.Allgather_init(MPI.IN_PLACE, [self._buf, BYTE])  # this rank's block is in place
+
+    def run(self, ctx: Any) -> int:
+        """Gather every rank's block (within the deadline); return the bytes a ring would send."""
+        if self._request is None:
+            raise RuntimeError("this gather was abandoned after an error")
+        tag = ctx.identity() | tags.PLAN
+        mine = self._mine
+        mine[0], mine[1], mine[2] = tag, ctx.call, self.count
+        ctx.expect = (tag,)  # a neighbour's ring message of this call or an earlier one: MismatchError
+        self._request.Start()
+        try:
+            wait([self._request], ctx, 0, self.comm.left, "gathering every rank's whole buffer")
+        except BaseException as e:  # a collective cannot be cancelled: its buffer must outlive it
+            abandon(self._request, self._buf)
+            self._request = None
+            if isinstance(e, MPI.Exception) and MPI.Get_error_class(e.Get_error_code()) == MPI.ERR_TRUNCATE:
+                raise MismatchError(
+                    f"{ctx.collective} call {ctx.call}: rank {self.comm.rank} got a longer block than its own "
+                    f"({self.count} elements of {self.blocks[0].dtype}) at step 0 (gathering every rank's whole "
+                    "buffer): the ranks disagree on the count or the dtype"
+                ) from None
+            raise
+        headers = self._headers
+        if headers.tobytes() != headers[self.comm.rank].tobytes() * len(self.blocks):
+            raise self._mismatch(ctx)
+        return self.sent
+
+    def _mismatch(self, ctx: Any) -> MismatchError:
+        table = self._headers.view(np.int64)
+        mine = tuple(int(v) for v in table[self.comm.rank, :3])
+        layout, rows = ctx.comm._layout, []
+        for rank, (tag, call, count) in enumerate(table[:, :3].tolist()):
+            if (tag, call, count) != mine:
+                rows.append(f"rank {rank} in {layout.describe(tag & ~7, call)}, count {count}")
+        return MismatchError(
+            f"{ctx.collective} call {ctx.call}: rank {self.comm.rank} is in {layout.describe(mine[0] & ~7, mine[1])}, "
+            f"count {mine[2]}, but {'; '.join(rows)} (at step 0, gathering every rank's whole buffer): the ranks did "
+            "not make the same call"
+        )
+
+    def free(self) -> None:
+        if self._request is not None:
+            self._request.Free()
+            self._request = None

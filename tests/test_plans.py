@@ -1,0 +1,110 @@
+"""Cached plans on the host: ring plans found by address, small all-reduces on a persistent
+MPI_Allgather, both bounded, both freed by close(); results checked against MPI and float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import gather_all, make_comm, reference, shared_seed
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm import communicator
+from ringcomm.ops import ReduceOp
+
+
+def _ring_count(n: int) -> int:
+    return 16 * n * 300 + 7  # above small_bytes (float32), not a multiple of N, well below PLAN_BYTES
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_a_plan_follows_the_address_not_the_array():
+    """Fresh views at one address run one plan; other addresses get their own; every result is exact."""
+    mpi = MPI.COMM_WORLD
+    comm = make_comm(small_bytes=1024)
+    n, count = comm.size, _ring_count(comm.size)
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    pool = np.zeros(3 * count + 64, np.int64)
+    out = np.zeros(count, np.int64)
+    for k in range(12):
+        off = (k % 3) * count
+        x = pool[off : off + count]  # a new view object every call; three addresses in turn
+        x[...] = rng.integers(-1000, 1000, count)
+        want = reference(gather_all(mpi, x), ReduceOp.SUM)
+        comm.all_reduce(x, out=out)
+        assert np.array_equal(out, want), f"call {k} out of place"
+        comm.all_reduce(x)  # in place: another pair of addresses
+        assert np.array_equal(x, want), f"call {k} in place"
+    ring = [key for key in comm._plans if key[0] == "all_reduce"]
+    assert len(ring) == 6, ring  # (out, x) and (x, x) for each of the three addresses
+    comm.close()
+    assert not comm._plans and not comm._gathers
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
+    mpi = MPI.COMM_WORLD
+    monkeypatch.setattr(communicator, "PLAN_LIMIT", 5)
+    comm = make_comm(small_bytes=0)
+    n, r, count = comm.size, comm.rank, _ring_count(comm.size)
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    for k in range(4):
+        x = rng.standard_normal(count)
+        xs = gather_all(mpi, x)
+        lo, hi = comm.shard_bounds(count)[r]
+        assert np.allclose(comm.reduce_scatter(x), reference(xs, ReduceOp.SUM)[lo:hi], rtol=1e-12, atol=1e-12)
+        full = comm.all_gather(x[lo:hi].copy())
+        assert full.tobytes() == np.concatenate([xs[i][b[0] : b[1]] for i, b in enumerate(comm.shard_bounds(count))]).tobytes()
+        b = x.copy()
+        comm.broadcast(b, root=k % n)
+        assert b.tobytes() == xs[k % n].tobytes()
+        got = comm.reduce(x, "max", root=k % n)
+        if r == k % n:
+            assert np.array_equal(got, np.max(xs, axis=0))
+        assert len(comm._plans) <= 5 and comm._plan_bytes <= communicator.PLAN_CACHE_BYTES
+    assert {key[0] for key in comm._plans} <= {"reduce_scatter", "all_gather", "broadcast", "reduce"}
+    big = np.ones(communicator.PLAN_BYTES // 8 + 16)  # above PLAN_BYTES: the engine's loop, no plan kept
+    before = set(comm._plans)
+    assert (comm.all_reduce(big) == n).all()
+    assert set(comm._plans) <= before
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+def test_small_all_reduces_gather_with_mpi_and_fold_in_ring_order():
+    """The persistent MPI_Allgather path is bitwise the ring's result, on every op and rank."""
+    mpi = MPI.COMM_WORLD
+    fast, ring = make_comm(), make_comm(small_bytes=0)
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    for count in (0, 1, 5, 16 * mpi.size + 3, 1000):
+        for op in ("sum", "prod", "min", "max", "avg"):
+            x = rng.standard_normal(count).astype(np.float32)
+            a, b = comm_result(fast, x, op), comm_result(ring, x, op)
+            assert a.tobytes() == b.tobytes(), (count, op)
+            assert mpi.allgather(a.tobytes()) == [a.tobytes()] * mpi.size
+    assert all(key[0] == "host" for key in fast._gathers) and fast._gathers
+    fast.close()
+    ring.close()
+
+
+def comm_result(comm: ringcomm.Communicator, x: np.ndarray, op: str) -> np.ndarray:
+    out = np.empty_like(x)
+    comm.all_reduce(x, op, out=out)
+    return out
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_small_all_reduce_mismatch_is_an_error_on_every_rank():
+    """A collective carries no tag: the gathered blocks' headers catch ranks in different calls."""
+    mpi = MPI.COMM_WORLD
+    r = mpi.rank
+    for x, match in (
+        (np.ones(8, np.int32 if r == 0 else np.float32), "did not make the same call"),  # same size, other dtype
+        (np.ones(8 if r == 0 else 6, np.float32), "did not make the same call|longer block"),  # other count
+    ):
+        comm = make_comm()
+        comm.all_reduce(np.ones(4, np.float32))
+        with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=match + "|aborted") as info:
+            comm.all_reduce(x)
+        seen = mpi.allgather(type(info.value).__name__)
+        assert "MismatchError" in seen, seen
