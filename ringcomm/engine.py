@@ -293,6 +293,78 @@ when the caller says so).
         self._preparable = False
 
 
+class DirectPlan:
+    """An all-reduce in two rounds of direct messages, on the host, bound once to its buffers.
+
+    Round 1 (the reduce-scatter): every rank sends its copy of chunk q to the rank at ring place
+    q and receives its own chunk p from every other rank; it folds them in
+    :func:`ringcomm.schedule.fold_order` (the order in which the ring's reduce-scatter combines
+    chunk p, this rank's own data last), so the result is bitwise the ring's. Round 2 (the
+    all-gather): it sends its reduced chunk to every rank and receives theirs into ``work``.
+    The bytes each rank sends are the ring's, 2(N-1)/N of the buffer, but in 2 rounds of N-1
+    concurrent messages (MPI moves them with no Python in between) instead of 2(N-1) dependent
+    steps: when ranks share cores, a ring step waits for a neighbour that may not be running.
+
+    Messages go between any two ranks, so this is for links whose every edge is MPI between host
+    buffers (``link.exchange``: persistent requests by address, as a :class:`Plan`'s, with the
+    plan tag of the call number modulo PLAN_CALLS), on one node (across nodes the ring's edges
+    are what leaves a node). The Communicator looks it up like a Plan (by addresses).
+    """
+
+    def __init__(self, ctx: Context, bounds: Bounds, work: Any, src: Any, link: Any) -> None:
+        comm = link.comm
+        n, p = comm.size, comm.position
+        self.comm, self.link, self.bounds, self.n, self.p = comm, link, bounds, n, p
+        self.in_place = work is src
+        lo, hi = bounds[p]
+        self._mine = slice(lo, hi)
+        self._incoming = ctx.device.empty(max(n - 1, 1) * (hi - lo), ctx.dtype).reshape(max(n - 1, 1), hi - lo)
+        #: the places to fold, in order (the first incoming piece accumulates), then this rank's own data
+        order = fold_order(n, p)
+        slot = {q: k for k, q in enumerate(qq for qq in range(n) if qq != p)}
+        self._order = [slot[q] for q in order[:-1]]
+        self.nbytes = self._incoming.nbytes
+        others = sum(b - a for q, (a, b) in enumerate(bounds) if q != p)
+        self.sent = (others + (n - 1) * (hi - lo)) * ctx.dtype.itemsize  # round 1, round 2
+        self._rounds: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4: op, wide
+
+    def run(self, ctx: Context, work: Any, src: Any) -> int:
+        by_op = self._rounds[ctx.call % PLAN_CALLS]
+        rounds = by_op.get((ctx.op, ctx.wide))
+        if rounds is None:
+            rounds = by_op[ctx.op, ctx.wide] = self._make(ctx, work, src)
+        op, device = ctx.op or ReduceOp.SUM, ctx.device
+        scatter, gather = rounds
+        scatter.run(ctx, 0, "this rank's chunk")
+        inc, order = self._incoming, self._order
+        part = inc[order[0]]
+        for k in order[1:]:
+            device.reduce(part, inc[k], part, op)
+        div = self.n if op is ReduceOp.AVG else 1
+        mine = self._mine
+        device.reduce(work[mine], src[mine], part, op, div, self.in_place)
+        gather.run(ctx, 1, "a reduced chunk")
+        return self.sent
+
+    def _make(self, ctx: Context, work: Any, src: Any) -> tuple:
+        comm, p, bounds = self.comm, self.p, self.bounds
+        tag = comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+        others = [(q, comm.ring[q]) for q in range(self.n) if q != p]
+        inc = self._incoming
+        scatter = self.link.exchange(ctx, [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
+                                     [(rank, src[slice(*bounds[q])]) for q, rank in others], tag)
+        gather = self.link.exchange(ctx, [(rank, work[slice(*bounds[q])]) for q, rank in others],
+                                    [(rank, work[self._mine]) for _, rank in others], tag)
+        return scatter, gather
+
+    def free(self) -> None:
+        for by_op in self._rounds:
+            for rounds in by_op.values():
+                for exchange in rounds:
+                    exchange.free()
+            by_op.clear()
+
+
 class Fold:
     """Reduce N gathered blocks (``blocks[p]``: the whole buffer of the rank at ring place p) into
     a result, chunk by chunk.

@@ -108,3 +108,51 @@ def test_small_all_reduce_mismatch_is_an_error_on_every_rank():
             comm.all_reduce(x)
         seen = mpi.allgather(type(info.value).__name__)
         assert "MismatchError" in seen, seen
+
+
+@pytest.mark.parallel(nprocs=[3, 4, 5])
+def test_direct_all_reduce_is_bitwise_the_ring():
+    """On one node, 3+ ranks: two rounds of direct messages, folded in the ring's order (engine.DirectPlan)."""
+    from ringcomm.engine import DirectPlan, Plan
+
+    mpi = MPI.COMM_WORLD
+    direct, ring = make_comm(small_bytes=0), make_comm(small_bytes=0)
+    ring.single_node = False  # as if the ring left the node: the ring plan runs
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    for count in (1, 5, 16 * mpi.size - 1, 40003):
+        for dtype in (np.float32, np.float16):
+            for op in ("sum", "prod", "min", "max", "avg"):
+                x = rng.standard_normal(count).astype(dtype)
+                a, b = comm_result(direct, x, op), comm_result(ring, x, op)
+                assert a.tobytes() == b.tobytes(), (count, dtype, op)
+                y = x.copy()
+                direct.all_reduce(y, op)  # in place
+                assert y.tobytes() == a.tobytes(), (count, dtype, op, "in place")
+                assert mpi.allgather(a.tobytes()) == [a.tobytes()] * mpi.size
+    assert all(isinstance(p, DirectPlan) for p in direct._plans.values()) and direct._plans
+    assert all(isinstance(p, Plan) for p in ring._plans.values()) and ring._plans
+    want = sum(np.arange(1000.0) * (r + 1) for r in range(mpi.size))
+    before = direct.bytes_sent
+    got = direct.all_reduce(np.arange(1000.0) * (mpi.rank + 1))
+    assert np.array_equal(got, want)
+    lo, hi = direct.shard_bounds(1000)[direct.rank]
+    assert direct.bytes_sent - before == (1000 - (hi - lo) + (mpi.size - 1) * (hi - lo)) * 8
+    direct.close()
+    ring.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_warm_plan_still_names_the_op_in_its_messages():
+    """Plans made by earlier calls (every call number mod 4) are per op: a rank that reduces with
+    another op on the same buffers sees a message it did not expect, not wrong data."""
+    mpi = MPI.COMM_WORLD
+    comm = make_comm(small_bytes=0)
+    x = np.ones(_ring_count(comm.size), np.float32)
+    out = np.empty_like(x)
+    for op in ("sum", "max", "sum", "max", "sum", "max", "sum", "max"):
+        comm.all_reduce(x, op, out=out)  # the plan at these addresses, prepared for both ops
+    assert len(comm._plans) == 1
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError)) as info:
+        comm.all_reduce(x, "max" if mpi.rank == 0 else "sum", out=out)
+    seen = mpi.allgather(type(info.value).__name__)
+    assert "MismatchError" in seen, seen

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..communicator import PLAN_BYTES
 from ..ops import ACCUMULATE, ReduceOp, check_dtype, parse_op
 from ..schedule import COLLECTIVES
 from . import data, env, report, sizes
@@ -348,8 +349,11 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     if edges:
         out("# Ring: " + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1]) + f" ({comm.ring[0]})"
             + f"  (nodes: {','.join(comm.nodes)})")
-    algorithm = (f"all_reduce up to {comm.small_bytes} B: gather-fold (N-1 steps of whole buffers, then a local fold "
-                 "in the ring's order: bitwise the ring's result); above, and every other collective: ring")
+    gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"
+              else "N-1 ring steps of whole buffers")
+    algorithm = (f"all_reduce up to {comm.small_bytes} B: gather-fold ({gather}, then a local fold in the ring's "
+                 "order: bitwise the ring's result); above, and every other collective: ring (host buffers up to "
+                 f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests)")
     out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES)")
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")

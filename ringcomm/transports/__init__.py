@@ -16,7 +16,9 @@ in, staging out). The engine (:func:`ringcomm.engine.execute`) drives them:
 - the sending half: ``post(step, send, writes)`` (``writes``: this step writes this rank's
   buffer, so the right must be done reading what it was sent earlier), ``pump(step, i)`` (post at
   least the first i+1 pieces of what it sends);
-- optionally ``prepare`` (persistent requests for a :class:`ringcomm.engine.Plan`).
+- optionally ``prepare`` (persistent requests for a :class:`ringcomm.engine.Plan`); the Link's
+  ``exchange`` gives messages between any ranks (engine.DirectPlan) where every edge is MPI on host
+  memory.
 
 Every message's tag is the call's (``ctx.identity() | channel``, ringcomm.tags), and each half adds
 to ``ctx.expect`` the tags its neighbour's messages of this call may carry. See transports/mpi.py
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError
-from .mpi import MpiRecv, MpiSend, PreparedStep
+from .mpi import Exchange, MpiRecv, MpiSend, PreparedStep
 
 log = logging.getLogger("ringcomm")
 
@@ -182,6 +184,18 @@ class Link:
                 req.Free()
             return None
         return PreparedStep(self.comm, recvs, sends, tag)
+
+    def exchange(self, ctx: Any, recvs: list, sends: list, tag: int) -> Exchange:
+        """Persistent requests with ``tag`` to and from any ranks (``recvs``/``sends``: ``(rank,
+        view)``), for an algorithm whose messages leave the ring (engine.DirectPlan): only where
+        every edge of the ring is MPI and the buffers are host memory (see :meth:`direct`)."""
+        if not self.direct(ctx):
+            raise ValueError("direct messages need every ring edge on MPI and host buffers")
+        return Exchange(self.comm.mpi, recvs, sends, tag)
+
+    def direct(self, ctx: Any) -> bool:
+        """Whether :meth:`exchange` serves this call: host buffers, every edge MPI."""
+        return ctx.device.name == "host" and all(edge == "mpi" for edge in self.edges)
 
     def close(self) -> None:
         """Free both halves (collective, as Communicator.close(): receiving halves go first)."""

@@ -11,9 +11,12 @@ CUDA-aware, device arrays: the host waits (with the deadline) for the stream bef
 produced is sent and before the scratch is reused, so the scratch's last use is complete when a
 step ends.
 
-Latency: for a copy step between buffers that stay put (an :class:`ringcomm.engine.Plan`), both
-halves ``prepare`` persistent requests once (MPI_Send_init/Recv_init); each run restarts them,
-which saves the per-message set-up of MPI_Isend/Irecv.
+Latency: a cached plan (engine.Plan, on host memory) has both halves ``prepare`` each step's
+persistent requests once (MPI_Send_init/Recv_init, bound to memory by address: :func:`by_address`);
+each run restarts them (:class:`PreparedStep`), which saves the per-message set-up of
+MPI_Isend/Irecv and the slicing. Two host algorithms whose messages leave the ring also live here:
+:class:`GatheredBlocks` (the small all-reduce's persistent MPI_Allgather) and :class:`Exchange`
+(a round of persistent messages to and from any ranks, for engine.DirectPlan).
 
 Ordering: MPI's non-overtaking rule orders the slices and the steps between two neighbours (one
 tag per call, receives posted in the order the sends are made), and a send is complete before the
@@ -285,3 +288,41 @@ class GatheredBlocks:
         if self._request is not None:
             self._request.Free()
             self._request = None
+
+
+class Exchange:
+    """Persistent receives from and sends to any ranks (not only ring neighbours), with one tag,
+    started together and awaited within the deadline: one round of a host algorithm whose
+    messages do not follow the ring (engine.DirectPlan).
+
+    ``recvs``: ``(rank, view)`` to receive into, each checked for the size of its view; ``sends``:
+    ``(rank, view)`` to send. Requests are bound by address (by_address), as a Plan's are.
+    """
+
+    def __init__(self, mpi: MPI.Intracomm, recvs: list, sends: list, tag: int) -> None:
+        self.expect = (tag,)
+        self._recvs = [(rank, view.nbytes, mpi.Recv_init(by_address(view), rank, tag)) for rank, view in recvs if view.size]
+        self._sends = [(rank, mpi.Send_init(by_address(view), rank, tag)) for rank, view in sends if view.size]
+        self._all = [req for *_, req in self._recvs] + [req for _, req in self._sends]
+        self._statuses = [[MPI.Status()] for _ in self._recvs]
+
+    def run(self, ctx: Any, step: int, what: str) -> None:
+        """Start the round and wait until every message of it is complete (``what``: for errors)."""
+        if not self._all:
+            return
+        ctx.expect = self.expect
+        MPI.Prequest.Startall(self._all)
+        try:
+            for (rank, size, req), status in zip(self._recvs, self._statuses):
+                wait([req], ctx, step, rank, "receiving %s from rank %d", what, rank, sizes=(size,), statuses=status)
+            for rank, req in self._sends:
+                wait([req], ctx, step, rank, "sending %s to rank %d", what, rank)
+        except BaseException:
+            cancel([req for *_, req in self._recvs], [req for _, req in self._sends])
+            raise
+
+    def free(self) -> None:
+        for req in self._all:
+            if req != MPI.REQUEST_NULL:
+                req.Free()
+        self._all, self._recvs, self._sends = [], [], []
