@@ -156,3 +156,20 @@ def test_a_warm_plan_still_names_the_op_in_its_messages():
         comm.all_reduce(x, "max" if mpi.rank == 0 else "sum", out=out)
     seen = mpi.allgather(type(info.value).__name__)
     assert "MismatchError" in seen, seen
+
+
+def test_inplace_replica_runs_and_checks_its_results():
+    """benchmarks/inplace_replica.py (the README's in-place table): every variant's result is checked."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "inplace_replica.py"
+    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "4096"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line.split()[0] for line in run.stdout.splitlines() if line and not line.startswith("#")}
+    assert {"direct", "mpiop", "tmp", "sendtmp", "MPI"} <= rows, run.stdout
+    bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
