@@ -95,13 +95,9 @@ class Communicator:
         # MPI_Comm_idup under the deadline: a peer that never creates its Communicator raises here
         # instead of hanging; once every peer is known to be present, the node split follows.
         setup = Context("Communicator()", self, self._host, np.dtype(np.uint8), None)
-        dup, request = mpi_comm.Idup()
-        wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
-        self.mpi: MPI.Intracomm = dup
+        self.mpi: MPI.Intracomm = self._dup(mpi_comm, setup)
         #: small host all-reduces' persistent MPI_Allgather (GatheredBlocks): a communicator of their own
-        dup, request = dup.Idup()
-        wait([request], setup, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
-        self._gather_mpi: MPI.Intracomm = dup
+        self._gather_mpi: MPI.Intracomm = self._dup(self.mpi, setup)
         self.left = (self.rank - 1) % self.size  # (named by set-up waits until the ring is known)
         self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
         #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
@@ -401,8 +397,20 @@ class Communicator:
         for j, (name, fmt) in enumerate(zip(names, show)):
             if (table[:, j] != table[0, j]).any():
                 values = ", ".join(f"rank {r}: {fmt(int(v))}" for r, v in enumerate(table[:, j]))
+                # The ranks' small all-reduce caches may now differ (each made the entry of its own
+                # call), and persistent collectives match in init order: start them afresh, alike
+                # on every rank (all of them raise here).
+                self._free_gathers()
+                self._gather_mpi.Free()
+                self._gather_mpi = self._guarded(lambda: self._dup(self.mpi, ctx))
                 raise MismatchError(f"{ctx.collective}: ranks disagree on the {name} ({values})")
         return table
+
+    def _dup(self, comm: MPI.Intracomm, ctx: Context) -> MPI.Intracomm:
+        """``comm`` duplicated (MPI_Comm_idup under the deadline: a missing peer is a TimeoutError)."""
+        dup, request = comm.Idup()
+        wait([request], ctx, None, (self.rank - 1) % self.size, "duplicating the MPI communicator")
+        return dup
 
     def _allgather_ints(self, ctx: Context, mine: Any, what: str) -> np.ndarray:
         """Every rank's int64 values ``mine`` (one row per rank), under the deadline."""

@@ -19,6 +19,7 @@ import numpy as np
 from .ops import ReduceOp
 from .schedule import Bounds, Step, fold_order
 from .tags import PLAN, PLAN_CALLS
+from .transports.base import abandon
 
 
 class Context:
@@ -195,7 +196,46 @@ def execute(
     return sent
 
 
-class Plan:
+class _Prepared:
+    """What Plan and DirectPlan share: their transport's persistent requests, prepared per call
+    number modulo PLAN_CALLS, op and accumulation (a request's tag is fixed), and what happens to
+    them after an error."""
+
+    def __init__(self) -> None:
+        self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))
+        self._dead = False
+
+    def _get(self, ctx: Context) -> Any:
+        return self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide))
+
+    def _put(self, ctx: Context, prepared: Any) -> Any:
+        self._prepared[ctx.call % PLAN_CALLS][ctx.op, ctx.wide] = prepared
+        return prepared
+
+    @staticmethod
+    def _tag(ctx: Context) -> int:
+        return ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+
+    def _failed(self, work: Any, src: Any) -> None:
+        """After an error in a run: requests may still be active (a send a late peer may match,
+        a receive that would not cancel), and they point at this plan's scratch and at the call's
+        arrays by address. Plan and arrays are kept for the life of the process (base.abandon)
+        and the requests never freed; the communicator is aborted anyway."""
+        abandon(None, self, work, src)
+        self._dead = True
+
+    def free(self) -> None:
+        """Release what the transport prepared (the plan is not run again)."""
+        if self._dead:
+            return
+        for by_op in self._prepared:
+            for prepared in by_op.values():
+                for p in prepared:
+                    p.free()
+            by_op.clear()
+
+
+class Plan(_Prepared):
     """A schedule bound once to the places of its buffers, run many times.
 
     Made for one call's steps, chunk bounds and roles of its buffers (``work`` and ``src``, the
@@ -235,35 +275,37 @@ when the caller says so).
         self._scratch = ctx.device.empty(chunk, ctx.dtype)
         self.nbytes = chunk * itemsize
         self._preparable = True  # until the link cannot prepare a step
-        self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4: op, wide
+        super().__init__()
 
     def run(self, ctx: Context, work: Any = None, src: Any = None) -> int:
         """Run the steps on this call's ``work`` and ``src`` (at the addresses the plan was made
         for; by default its own); return the payload bytes this rank sent."""
         if work is None:
             work, src = self._own
-        prepared = self._prepared[ctx.call % PLAN_CALLS].get((ctx.op, ctx.wide)) if self._preparable else None
+        prepared = self._get(ctx) if self._preparable else None
         if prepared is None:
             prepared = self._make(ctx, work, src) if self._preparable else None
             if prepared is None:  # this link cannot prepare these buffers: the engine's loop
                 return execute(ctx, self.steps, self.bounds, work, src, self.link, self.result_chunks)
         op, device, n, scratch = ctx.op or ReduceOp.SUM, ctx.device, ctx.comm.size, self._scratch
         bufs = (src, work)
-        for st, step, (into, local_from) in zip(self.steps, prepared, self._actions):
-            step.run(ctx, st)  # a copy step has received in place
-            if local_from is not None:
-                dst = work[into]
-                div = n if st.final and op is ReduceOp.AVG else 1
-                # in place (local_from == WORK): the result may go through the scratch
-                device.reduce(dst, bufs[local_from][into], scratch[: dst.size], op, div, local_from == WORK)
+        try:
+            for st, step, (into, local_from) in zip(self.steps, prepared, self._actions):
+                step.run(ctx, st)  # a copy step has received in place
+                if local_from is not None:
+                    dst = work[into]
+                    div = n if st.final and op is ReduceOp.AVG else 1
+                    # in place (local_from == WORK): the result may go through the scratch
+                    device.reduce(dst, bufs[local_from][into], scratch[: dst.size], op, div, local_from == WORK)
+        except BaseException:
+            self._failed(work, src)
+            raise
         for c in self._copies:
             device.copy(work[c], src[c])
         return self.sent
 
     def _make(self, ctx: Context, work: Any, src: Any) -> list | None:
-        bufs = (src, work)
-        tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
-        prepared = []
+        bufs, tag, prepared = (src, work), self._tag(ctx), []
         for st, (send_from, _, _) in zip(self.steps, self._bound):
             send = None if send_from is None else bufs[send_from][slice(*self.bounds[st.send])]
             into = None
@@ -272,28 +314,19 @@ when the caller says so).
                 into = self._scratch[: hi - lo] if st.reduce else work[lo:hi]  # reduce: into the scratch
             step = self.link.prepare(ctx, send, into, tag)
             if step is None:
-                self._free(prepared)
+                for p in prepared:
+                    p.free()
                 self._preparable = False
                 return None
             prepared.append(step)
-        self._prepared[ctx.call % PLAN_CALLS][ctx.op, ctx.wide] = prepared
-        return prepared
-
-    @staticmethod
-    def _free(prepared: list) -> None:
-        for p in prepared:
-            p.free()
+        return self._put(ctx, prepared)
 
     def free(self) -> None:
-        """Release what the transport prepared (the plan is not run again)."""
-        for by_op in self._prepared:
-            for prepared in by_op.values():
-                self._free(prepared)
-            by_op.clear()
+        super().free()
         self._preparable = False
 
 
-class DirectPlan:
+class DirectPlan(_Prepared):
     """An all-reduce in two rounds of direct messages, on the host, bound once to its buffers.
 
     Round 1 (the reduce-scatter): every rank sends its copy of chunk q to the rank at ring place
@@ -326,43 +359,33 @@ class DirectPlan:
         self.nbytes = self._incoming.nbytes
         others = sum(b - a for q, (a, b) in enumerate(bounds) if q != p)
         self.sent = (others + (n - 1) * (hi - lo)) * ctx.dtype.itemsize  # round 1, round 2
-        self._rounds: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))  # by call number mod 4: op, wide
+        super().__init__()
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
-        by_op = self._rounds[ctx.call % PLAN_CALLS]
-        rounds = by_op.get((ctx.op, ctx.wide))
-        if rounds is None:
-            rounds = by_op[ctx.op, ctx.wide] = self._make(ctx, work, src)
+        scatter, gather = self._get(ctx) or self._make(ctx, work, src)
         op, device = ctx.op or ReduceOp.SUM, ctx.device
-        scatter, gather = rounds
-        scatter.run(ctx, 0, "this rank's chunk")
-        inc, order = self._incoming, self._order
-        part = inc[order[0]]
-        for k in order[1:]:
-            device.reduce(part, inc[k], part, op)
-        div = self.n if op is ReduceOp.AVG else 1
-        mine = self._mine
-        device.reduce(work[mine], src[mine], part, op, div, self.in_place)
-        gather.run(ctx, 1, "a reduced chunk")
+        inc, order, mine = self._incoming, self._order, self._mine
+        try:
+            scatter.run(ctx, 0, "this rank's chunk")
+            part = inc[order[0]]
+            for k in order[1:]:
+                device.reduce(part, inc[k], part, op)
+            device.reduce(work[mine], src[mine], part, op, self.n if op is ReduceOp.AVG else 1, self.in_place)
+            gather.run(ctx, 1, "a reduced chunk")
+        except BaseException:
+            self._failed(work, src)
+            raise
         return self.sent
 
     def _make(self, ctx: Context, work: Any, src: Any) -> tuple:
-        comm, p, bounds = self.comm, self.p, self.bounds
-        tag = comm._layout.base(ctx.collective, ctx.dtype, ctx.op, -1, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+        comm, p, bounds, tag = self.comm, self.p, self.bounds, self._tag(ctx)
         others = [(q, comm.ring[q]) for q in range(self.n) if q != p]
         inc = self._incoming
         scatter = self.link.exchange(ctx, [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
                                      [(rank, src[slice(*bounds[q])]) for q, rank in others], tag)
         gather = self.link.exchange(ctx, [(rank, work[slice(*bounds[q])]) for q, rank in others],
                                     [(rank, work[self._mine]) for _, rank in others], tag)
-        return scatter, gather
-
-    def free(self) -> None:
-        for by_op in self._rounds:
-            for rounds in by_op.values():
-                for exchange in rounds:
-                    exchange.free()
-            by_op.clear()
+        return self._put(ctx, (scatter, gather))
 
 
 class Fold:

@@ -173,3 +173,19 @@ def test_inplace_replica_runs_and_checks_its_results():
     bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_after_an_agreement_mismatch_small_all_reduces_still_match():
+    """check=True: the ranks of a mismatched call each made the small all-reduce of their own count;
+    persistent collectives match in init order, so they start afresh and the next calls agree."""
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    comm = make_comm(check=True)
+    for bad in (lambda: comm.all_reduce(np.ones(11 if r == 0 else 10, np.float32)),
+                lambda: comm.barrier() if r == 0 else comm.all_reduce(np.ones(6, np.float32))):
+        with pytest.raises(ringcomm.MismatchError):
+            bad()
+        for count in (10, 6, 4, 10):
+            assert (comm.all_reduce(np.ones(count, np.float32)) == n).all()
+    comm.close()

@@ -243,12 +243,17 @@ class GatheredBlocks:
         self.blocks = [rows[i, self.HEADER : self.HEADER + size].view(dtype) for i in range(n)]
         self.mine = self.blocks[comm.rank]
         self.nbytes, self.sent = self._buf.nbytes, (n - 1) * size
-        self._request = mpi.Allgather_init(MPI.IN_PLACE, [self._buf, BYTE])  # this rank's block is in place
+        self._mpi, self._request, self._broken = mpi, None, False
 
     def run(self, ctx: Any) -> int:
-        """Gather every rank's block (within the deadline); return the bytes a ring would send."""
-        if self._request is None:
+        """Gather every rank's block (within the deadline); return the bytes a ring would send.
+
+        The persistent request is made at the first run, inside the call (after its agreement
+        check, with ``check=True``), so that every rank makes its inits in the same order."""
+        if self._broken:
             raise RuntimeError("this gather was abandoned after an error")
+        if self._request is None:
+            self._request = self._mpi.Allgather_init(MPI.IN_PLACE, [self._buf, BYTE])  # this rank's block is in place
         tag = ctx.identity() | tags.PLAN
         mine = self._mine
         mine[0], mine[1], mine[2] = tag, ctx.call, self.count
@@ -258,7 +263,7 @@ class GatheredBlocks:
             wait([self._request], ctx, 0, self.comm.left, "gathering every rank's whole buffer")
         except BaseException as e:  # a collective cannot be cancelled: its buffer must outlive it
             abandon(self._request, self._buf)
-            self._request = None
+            self._request, self._broken = None, True
             if isinstance(e, MPI.Exception) and MPI.Get_error_class(e.Get_error_code()) == MPI.ERR_TRUNCATE:
                 raise MismatchError(
                     f"{ctx.collective} call {ctx.call}: rank {self.comm.rank} got a longer block than its own "
