@@ -10,13 +10,13 @@ from mpi4py import MPI
 
 from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
+from .arrays import span
 from .engine import Context, DirectPlan, Fold, Plan, execute
-from .transports.mpi import GatheredBlocks
 from .errors import AbortError, MismatchError, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
-from .arrays import span
 from .transports.base import abandon, wait
+from .transports.mpi import GatheredBlocks
 
 log = logging.getLogger("ringcomm")
 
@@ -441,7 +441,8 @@ class Communicator:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
             direct = ctx.collective == "all_reduce" and self.size > 2 and self.single_node and link.direct(ctx)
-            key = (ctx.collective, root, ctx.dtype, bounds, span(work)[0], span(src)[0])
+            at = span(work)[0]
+            key = (ctx.collective, root, ctx.dtype, bounds, at, at if src is work else span(src)[0])
             plan = self._plans.get(key)
             if plan is None:
                 made = DirectPlan(ctx, bounds, work, src, link) if direct else Plan(
@@ -487,7 +488,6 @@ class Communicator:
                 blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
                 gather = Plan(ctx, schedule.all_gather(n, self.position), schedule.blocks(count, n), blocks, blocks,
                               self._transport(kind), own=True)
-                gather.nbytes += blocks.nbytes
                 by_place = [blocks[p * count : (p + 1) * count] for p in range(n)]
                 mine = by_place[self.position]
             fold = Fold(by_place, self._in_ring(schedule.partition(count, n)), n)

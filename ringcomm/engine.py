@@ -252,8 +252,7 @@ class Plan(_Prepared):
     A persistent request's tag is fixed, so the steps are prepared once per op, accumulation and
     call number modulo ``tags.PLAN_CALLS``: each run's messages still name the collective, dtype,
     op, root and, modulo 4, the call (ringcomm.tags), so a rank that skipped a call cannot match
-    its neighbours' messages. ``nbytes``: the memory the plan owns (its scratch; its buffers too
-when the caller says so).
+    its neighbours' messages. ``nbytes``: the memory the plan owns (its scratch).
     """
 
     def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, work: Any, src: Any, link: Any,
@@ -351,7 +350,7 @@ class DirectPlan(_Prepared):
         self.in_place = work is src
         lo, hi = bounds[p]
         self._mine = slice(lo, hi)
-        self._incoming = ctx.device.empty(max(n - 1, 1) * (hi - lo), ctx.dtype).reshape(max(n - 1, 1), hi - lo)
+        self._incoming = ctx.device.empty((n - 1) * (hi - lo), ctx.dtype).reshape(n - 1, hi - lo)
         #: the places to fold, in order (the first incoming piece accumulates), then this rank's own data
         order = fold_order(n, p)
         slot = {q: k for k, q in enumerate(qq for qq in range(n) if qq != p)}

@@ -54,11 +54,11 @@ def parse_op(op: ReduceOp | str) -> ReduceOp:
 
 def check_dtype(dtype: np.dtype, op: ReduceOp | None = None) -> np.dtype:
     """Raise TypeError unless ``dtype`` is supported (and, given ``op``, makes sense with it)."""
-    if dtype not in _SUPPORTED:
+    if dtype not in _SUPPORTED:  # a dtype object is looked up as it is; anything else converted first
         dtype = np.dtype(dtype)
-    if dtype not in _SUPPORTED:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"unsupported dtype {dtype}; accepted: {names}")
+        if dtype not in _SUPPORTED:
+            names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+            raise TypeError(f"unsupported dtype {dtype}; accepted: {names}")
     if op is ReduceOp.AVG and dtype in _INTS:
         raise TypeError(f"op 'avg' on integer dtype {dtype} would silently floor; use 'sum' and divide yourself")
     return dtype

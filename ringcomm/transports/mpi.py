@@ -239,10 +239,10 @@ class GatheredBlocks:
         self._buf = np.zeros(n * stride, np.uint8)
         rows = self._buf.reshape(n, stride)
         self._headers = rows[:, : self.HEADER]
-        self._mine = rows[comm.rank, : self.HEADER].view(np.int64)
+        self._header = rows[comm.rank, : self.HEADER].view(np.int64)  # this rank's
         self.blocks = [rows[i, self.HEADER : self.HEADER + size].view(dtype) for i in range(n)]
         self.mine = self.blocks[comm.rank]
-        self.nbytes, self.sent = self._buf.nbytes, (n - 1) * size
+        self.sent = (n - 1) * size
         self._mpi, self._request, self._broken = mpi, None, False
 
     def run(self, ctx: Any) -> int:
@@ -255,8 +255,8 @@ class GatheredBlocks:
         if self._request is None:
             self._request = self._mpi.Allgather_init(MPI.IN_PLACE, [self._buf, BYTE])  # this rank's block is in place
         tag = ctx.identity() | tags.PLAN
-        mine = self._mine
-        mine[0], mine[1], mine[2] = tag, ctx.call, self.count
+        header = self._header
+        header[0], header[1], header[2] = tag, ctx.call, self.count
         ctx.expect = (tag,)  # a neighbour's ring message of this call or an earlier one: MismatchError
         self._request.Start()
         try:
