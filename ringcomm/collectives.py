@@ -14,7 +14,7 @@ import numpy as np
 from . import schedule
 from .arrays import classify, default_stream, flat, relation, writable
 from .engine import Context
-from .ops import HALF_DTYPES, ReduceOp, check_dtype, parse_accumulate, parse_op
+from .ops import HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
 
 
 def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
@@ -63,7 +63,54 @@ def _root(comm: Any, root: Any) -> int:
     return int(root)
 
 
-def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None, accumulate: Any = None) -> Any:
+def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
+    """The fast lane of a small all-reduce of numpy arrays whose gather is cached:
+    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (contiguous,
+    writable where written, out of x's dtype and size and apart from x or x itself, a usable
+    communicator, a known op that suits the dtype, no float32 accumulation), else None: the full
+    path then runs, with its checks and their messages."""
+    small = comm._gathers.get(("host", x.size, x.dtype))
+    op = OPS.get(op)
+    if small is None or op is None or comm._aborted or comm._late_error is not None or comm.accumulate_override:
+        return None
+    flags = x.flags
+    if not flags.c_contiguous or (op is ReduceOp.AVG and x.dtype.kind in "iu"):  # (a cached dtype is supported)
+        return None
+    src = x if x.ndim == 1 else x.reshape(-1)
+    if out is None or out is x:
+        if not flags.writeable:
+            return None
+        work = src
+    else:
+        if type(out) is not np.ndarray or out.dtype != x.dtype or out.size != x.size:
+            return None
+        owned, flags = flags.owndata, out.flags
+        if not flags.c_contiguous or not flags.writeable:
+            return None
+        if not (owned and flags.owndata) and np.may_share_memory(out, x):  # two arrays that own their memory are apart
+            return None
+        work = out if out.ndim == 1 else out.reshape(-1)
+    return small, op, src, work
+
+
+def all_reduce(
+    comm: Any, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
+) -> Any:
+    """Reduce ``x`` over all ranks; the result is in ``out`` or, when out is None, in place in ``x``.
+
+    Returns the result array (``out``, or ``x`` itself). Every rank ends with bitwise identical
+    values. GPU arrays run on ``stream`` (default: CuPy's current stream). ``accumulate``:
+    None, or "float32": float16/bfloat16 partial sums travel and are added in float32 and each
+    result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
+    """
+    if type(x) is np.ndarray and stream is None and accumulate is None:
+        fast = _small_host(comm, x, op, out)
+        if fast is not None:
+            small, op, src, work = fast
+            ctx = Context("all_reduce", comm, comm._host, x.dtype, op)
+            comm._launch(ctx, x.size, -1, False, small.algorithm, small.link, comm.size - 1,
+                         lambda: small.run(ctx, work, src))
+            return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
@@ -81,21 +128,13 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
     ctx = Context("all_reduce", comm, device, src.dtype, op)
     ctx.wide = wide
     if 1 < n and src.nbytes <= comm.small_bytes:
-        # Latency-bound: gather every rank's whole buffer round the ring (N-1 steps, not 2(N-1)),
-        # then fold the N blocks locally in the ring's order (bitwise the ring's result). Block p
-        # is the data of the rank at ring place p.
-        gather, mine, fold, reused = comm._gather_plan(ctx, kind, count)
-        if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
-            reused.after(device)
-        device.copy(mine, src)
-        comm._run_plan(ctx, kind, count, gather)
+        # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
+        # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result)
+        small = comm._gather_plan(ctx, kind, count)
+        acc = comm._partial_sums(kind, device, count) if wide else None
+        comm._launch(ctx, count, -1, False, small.algorithm, small.link, n - 1, lambda: small.run(ctx, work, src, acc))
         if wide:
-            fold(ctx, work, comm._partial_sums(kind, device, count))
             comm._scratch_done((kind, "partial sums"), device)
-        else:
-            fold(ctx, work)
-        if reused is not None:
-            reused.done(device)
     else:
         steps = schedule.all_reduce(n, r)
         comm._run(ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src,
@@ -104,8 +143,13 @@ def all_reduce(comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: A
 
 
 def reduce_scatter(
-    comm: Any, x: Any, op: Any = "sum", *, out: Any = None, stream: Any = None, accumulate: Any = None
+    comm: Any, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
 ) -> Any:
+    """Reduce ``x`` over all ranks and return this rank's shard ``shard_bounds(x.size)[rank]``.
+
+    ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
+    ``accumulate``: as for :meth:`all_reduce`.
+    """
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
@@ -123,6 +167,11 @@ def reduce_scatter(
 
 
 def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) -> Any:
+    """Concatenate every rank's ``shard`` in rank order; returns ``out`` (allocated when None).
+
+    With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
+    of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
+    """
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)
@@ -155,6 +204,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
+    """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
     root = _root(comm, root)
     kind, buf, device = _input(comm, x, "x", None, stream)
     if comm.rank != root:  # the root's x is only read
@@ -168,8 +218,14 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
 
 
 def reduce(
-    comm: Any, x: Any, op: Any = "sum", root: int = 0, *, out: Any = None, stream: Any = None, accumulate: Any = None
+    comm: Any, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None,
+    accumulate: str | None = None,
 ) -> Any:
+    """Reduce ``x`` onto ``root``: its result goes to ``out`` or in place in ``x`` and is returned.
+
+    On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
+    ``accumulate``: as for :meth:`all_reduce`.
+    """
     op = parse_op(op)
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)

@@ -11,12 +11,13 @@ from mpi4py import MPI
 from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .arrays import span
-from .engine import Context, DirectPlan, Fold, Plan, execute
+from .engine import Context, DirectPlan, GatherFold, Plan, execute
 from .errors import AbortError, MismatchError, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
 from .transports.base import abandon, wait
 from .transports.mpi import GatheredBlocks
+from .transports.shm import SharedBlocks, SharedWindow
 
 log = logging.getLogger("ringcomm")
 
@@ -41,6 +42,10 @@ GATHER_LIMIT = 16
 #: the engine's loop runs and keeps no memory (measured at N = 4 on 2 cores: plans up to 8 MiB
 #: are 13-15 % faster; at 32 MiB the gain is within noise)
 PLAN_BYTES = 16 << 20
+#: the most bytes of a small all-reduce that meet in the shared-memory window (one node; each rank
+#: holds two slots of min(small_bytes, SHARED_BYTES) in it, in /dev/shm, which containers keep small);
+#: larger small_bytes gather by MPI above it
+SHARED_BYTES = 1 << 20
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank (int64), then its error in UTF-8
@@ -102,11 +107,14 @@ class Communicator:
         self._layout = tags.Layout.for_mpi(self.mpi.Get_attr(MPI.TAG_UB), self.size)
         #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
         self.node_comm: MPI.Intracomm | None = None
+        capacity = 0  # of the shared-memory window's slots
         if labels is None:  # MPI's shared-memory split: a node is named by its lowest rank
             self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
             lowest = MPI.Group.Translate_ranks(self.node_comm.Get_group(), [0], self.mpi.Get_group())[0]
-            leaders = self._allgather_ints(setup, [lowest], "finding every rank's node")[:, 0]
-            labels = tuple(f"node{int(r)}" for r in leaders)
+            table = self._allgather_ints(setup, [lowest, self.small_bytes], "finding every rank's node")
+            labels = tuple(f"node{int(r)}" for r in table[:, 0])
+            if int(table[:, 0].max()) == 0:  # every rank on node 0: one node, as MPI sees it
+                capacity = min(int(table[:, 1].max()), SHARED_BYTES)
         #: this rank's node as a number (its label's place among the sorted labels), the same on every rank
         self.node_index = sorted(set(labels)).index(labels[self.rank])
         if self.node_comm is None:
@@ -121,6 +129,12 @@ class Communicator:
         self.left = self.ring[(self.position - 1) % self.size]
         self.right = self.ring[(self.position + 1) % self.size]
         self.single_node: bool = self.node_comm.size == self.size
+        #: the small host all-reduces' shared-memory window (transports.shm), when MPI's own split
+        #: puts every rank on this node: slots of the largest small_bytes of any rank, at most SHARED_BYTES
+        self._shared: SharedWindow | None = None
+        if self.size > 1 and capacity > 0:
+            self._shared = SharedWindow(self.mpi, capacity)
+            wait([self.mpi.Ibarrier()], setup, None, self.left, "every rank's shared-memory window")
         self._ring_is_identity = self.ring == tuple(range(self.size))
         #: payload bytes this rank has sent in collectives (not counting metadata or checks)
         self.bytes_sent = 0
@@ -134,7 +148,7 @@ class Communicator:
         self._scratch: dict[str, Any] = {}
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
-        self._gathers: dict[tuple, Any] = {}  # small all-reduces' (gather, mine, Fold, Reused) by kind, count, dtype
+        self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
         #: ipc-stream: the GPU-side handshakes (wait streams and watchdogs) by device, and the error a
         #: watchdog found after a call returned (raised by the next call or check_errors())
         self._handshakes: dict[int, Any] = {}
@@ -142,50 +156,12 @@ class Communicator:
         self._ready = True
 
     # ------------------------------------------------------------------ the collectives
-    def all_reduce(
-        self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
-    ) -> Any:
-        """Reduce ``x`` over all ranks; the result is in ``out`` or, when out is None, in place in ``x``.
-
-        Returns the result array (``out``, or ``x`` itself). Every rank ends with bitwise identical
-        values. GPU arrays run on ``stream`` (default: CuPy's current stream). ``accumulate``:
-        None, or "float32": float16/bfloat16 partial sums travel and are added in float32 and each
-        result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
-        """
-        return collectives.all_reduce(self, x, op, out=out, stream=stream, accumulate=accumulate)
-
-    def reduce_scatter(
-        self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
-    ) -> Any:
-        """Reduce ``x`` over all ranks and return this rank's shard ``shard_bounds(x.size)[rank]``.
-
-        ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
-        ``accumulate``: as for :meth:`all_reduce`.
-        """
-        return collectives.reduce_scatter(self, x, op, out=out, stream=stream, accumulate=accumulate)
-
-    def all_gather(self, shard: Any, *, out: Any = None, stream: Any = None) -> Any:
-        """Concatenate every rank's ``shard`` in rank order; returns ``out`` (allocated when None).
-
-        With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
-        of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
-        """
-        return collectives.all_gather(self, shard, out=out, stream=stream)
-
-    def broadcast(self, x: Any, root: int = 0, *, stream: Any = None) -> Any:
-        """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
-        return collectives.broadcast(self, x, root, stream=stream)
-
-    def reduce(
-        self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None,
-        accumulate: str | None = None,
-    ) -> Any:
-        """Reduce ``x`` onto ``root``: its result goes to ``out`` or in place in ``x`` and is returned.
-
-        On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
-        ``accumulate``: as for :meth:`all_reduce`.
-        """
-        return collectives.reduce(self, x, op, root, out=out, stream=stream, accumulate=accumulate)
+    # (the functions of ringcomm.collectives, bound as methods: no call in between)
+    all_reduce = collectives.all_reduce
+    reduce_scatter = collectives.reduce_scatter
+    all_gather = collectives.all_gather
+    broadcast = collectives.broadcast
+    reduce = collectives.reduce
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier (with the communicator's deadline)."""
@@ -261,10 +237,30 @@ class Communicator:
         for reused in self._scratch.values():
             reused.free()
         self._scratch.clear()
+        window, self._shared = self._shared, None
+        if window is not None:
+            self._free_window(window)
         self.node_comm.Free()
         self._gather_mpi.Free()
         self.mpi.Free()
         self._aborted = _CLOSED
+
+    def _free_window(self, window: SharedWindow) -> None:
+        """Free the shared-memory window, which synchronizes every rank: first an MPI_Ibarrier
+        under the deadline (a rank that never closes is a TimeoutError, not a hang). After an
+        abort, or that timeout, a late peer may still read it: it is kept for the process's life."""
+        if self._aborted:
+            abandon(None, window)
+            return
+        ctx = Context("close()", self, self._host, np.dtype(np.uint8), None)
+        request = self.mpi.Ibarrier()
+        try:
+            wait([request], ctx, None, self.left, "every rank's close() (they free shared memory together)")
+        except BaseException:
+            abandon(request, window)
+            self._aborted = _CLOSED
+            raise
+        window.free()
 
     def __enter__(self) -> Communicator:
         return self
@@ -463,40 +459,42 @@ class Communicator:
         call ``_scratch_done((kind, "partial sums"), device)`` after the call's last use."""
         return self._scratch_array((kind, "partial sums"), device, count, np.dtype(np.float32))
 
-    def _gather_plan(self, ctx: Context, kind: str, count: int) -> tuple[Any, Any, Any, Any]:
-        """The cached (gather, mine, Fold, Reused) of a small all-reduce of ``count`` elements.
+    def _gather_plan(self, ctx: Context, kind: str, count: int) -> GatherFold:
+        """The cached small all-reduce (engine.GatherFold) of ``count`` elements of ctx's dtype.
 
-        ``gather.run(ctx)`` brings every rank's whole buffer (the caller first copies its own into
-        ``mine``); the fold reduces the N blocks into the result in the ring's order. On the host
-        the gather is one persistent MPI_Allgather (transports.mpi.GatheredBlocks, on a
-        communicator of its own); on GPUs it is the ring's all-gather schedule as a Plan, into a
-        Reused buffer: the caller orders its stream after the buffer's last use before the call
-        and marks it done after the fold (``Reused`` is None on the host, where every operation
-        is complete when it returns).
+        On the host the blocks meet in the shared-memory window when every rank is on this node
+        and they fit (transports.shm.SharedBlocks), else in one persistent MPI_Allgather
+        (transports.mpi.GatheredBlocks, on a communicator of its own); on GPUs the gather is the
+        ring's all-gather schedule as a Plan, into a Reused buffer.
         """
         key = (kind, count, ctx.dtype)
-        cached = self._gathers.get(key)
-        if cached is None:
+        small = self._gathers.get(key)
+        if small is None:
             if len(self._gathers) >= GATHER_LIMIT:
                 self._free_gathers()
-            n = self.size
-            if kind == "host":
+            n, ring = self.size, self.ring
+            reused = None
+            shared = self._shared
+            if kind == "host" and shared is not None and count * ctx.dtype.itemsize <= shared.capacity:
+                gather = SharedBlocks(self, shared, ctx.dtype, count)
+                sides = [(mine, [blocks[rank] for rank in ring]) for mine, blocks in zip(gather.mine, gather.blocks)]
+                algorithm = "gather-fold (shared memory)"
+            elif kind == "host":
                 gather = GatheredBlocks(self, self._gather_mpi, ctx.dtype, count)
-                reused, mine, by_place = None, gather.mine, [gather.blocks[rank] for rank in self.ring]
+                sides = [(gather.mine, [gather.blocks[rank] for rank in ring])]
+                algorithm = "gather-fold (MPI_Allgather_init)"
             else:
                 reused = devices.Reused()
                 blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
                 gather = Plan(ctx, schedule.all_gather(n, self.position), schedule.blocks(count, n), blocks, blocks,
                               self._transport(kind), own=True)
                 by_place = [blocks[p * count : (p + 1) * count] for p in range(n)]
-                mine = by_place[self.position]
-            fold = Fold(by_place, self._in_ring(schedule.partition(count, n)), n)
-            cached = self._gathers[key] = (gather, mine, fold, reused)
-        return cached
-
-    def _run_plan(self, ctx: Context, kind: str, count: int, gather: Any) -> None:
-        algorithm = "gather-fold (MPI_Allgather_init)" if kind == "host" else "gather-fold"
-        self._launch(ctx, count, -1, False, algorithm, self._transport(kind), self.size - 1, lambda: gather.run(ctx))
+                sides = [(by_place[self.position], by_place)]
+                algorithm = "gather-fold"
+            small = GatherFold(gather, sides, self._in_ring(schedule.partition(count, n)), n, reused, algorithm,
+                               self._transport(kind))
+            self._gathers[key] = small
+        return small
 
     def _cache(self, key: tuple, plan: Any) -> Any:
         """Keep the ring plan under ``key``, within PLAN_LIMIT and PLAN_CACHE_BYTES."""
@@ -513,10 +511,8 @@ class Communicator:
         self._plan_bytes = 0
 
     def _free_gathers(self) -> None:
-        for gather, _, _, reused in self._gathers.values():
-            gather.free()
-            if reused is not None:
-                reused.free()
+        for small in self._gathers.values():
+            small.free()
         self._gathers.clear()
 
     def _launch(

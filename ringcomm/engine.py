@@ -387,6 +387,50 @@ class DirectPlan(_Prepared):
         return self._put(ctx, (scatter, gather))
 
 
+class GatherFold:
+    """A small all-reduce of ``count`` elements: every rank's whole buffer gathered, then folded
+    locally in the ring's order (:class:`Fold`), bitwise the ring's result, in N-1 steps' worth of
+    data movement and one wait instead of 2(N-1) dependent steps.
+
+    ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send; one of
+    transports.shm.SharedBlocks (host, one node: a shared-memory window, two alternating slots),
+    transports.mpi.GatheredBlocks (host: a persistent MPI_Allgather) or a :class:`Plan` of the
+    ring's all-gather schedule (GPUs). ``sides``: per slot of the gather (two for shared memory,
+    whose ``gather.side`` says which the next run fills; one otherwise), ``(mine, blocks by ring
+    place)``: where this rank copies its buffer, and where the N blocks then lie. ``reused``: the
+    GPU gather's buffer (devices.Reused; None on the host), ordered after its last use.
+    ``algorithm`` and ``link`` (the kind's transports.Link): what the DEBUG log names.
+    """
+
+    def __init__(self, gather: Any, sides: Sequence[tuple[Any, Sequence[Any]]], bounds: Bounds, n: int,
+                 reused: Any, algorithm: str, link: Any) -> None:
+        self.gather, self.reused, self.algorithm, self.link = gather, reused, algorithm, link
+        self._sides = [(mine, Fold(by_place, bounds, n)) for mine, by_place in sides]
+        self._alternate = len(self._sides) > 1
+        self._n = n
+
+    def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
+        """All-reduce ``src`` into ``work`` (``acc``: as for :meth:`Fold.accumulate`); the bytes a ring would send."""
+        gather, device, reused, op = self.gather, ctx.device, self.reused, ctx.op
+        mine, fold = self._sides[gather.side] if self._alternate else self._sides[0]
+        if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
+            reused.after(device)
+        device.copy(mine, src)
+        sent = gather.run(ctx)
+        if acc is None:  # local data first, the partial result second, as a ring step
+            device.fold(work, fold.pieces, op, self._n if op is ReduceOp.AVG else 1)
+        else:
+            fold.accumulate(ctx, work, acc)
+        if reused is not None:
+            reused.done(device)
+        return sent
+
+    def free(self) -> None:
+        self.gather.free()
+        if self.reused is not None:
+            self.reused.free()
+
+
 class Fold:
     """Reduce N gathered blocks (``blocks[p]``: the whole buffer of the rank at ring place p) into
     a result, chunk by chunk.
@@ -402,22 +446,16 @@ class Fold:
             (lo, hi, [blocks[j][lo:hi] for j in fold_order(n, c)]) for c, (lo, hi) in enumerate(bounds) if hi > lo
         ]
 
-    def __call__(self, ctx: Context, work: Any, acc: Any = None) -> None:
-        """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``.
-
-        ``acc`` (accumulate="float32" on a half type): a float32 array of count elements where the
-        partial sums are kept, rounded once at the end, exactly as the ring does with ``ctx.acc``.
+    def accumulate(self, ctx: Context, work: Any, acc: Any) -> None:
+        """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``,
+        adding in float32 (accumulate="float32" on a half type): ``acc``, a float32 array of count
+        elements, keeps the partial sums, rounded once at the end, exactly as the ring does with
+        ``ctx.acc``. (Without it the device folds the pieces itself: ``device.fold``.)
         """
-        op, device = ctx.op or ReduceOp.SUM, ctx.device
+        op, device = ctx.op, ctx.device
         last, last_div = self.n - 1, self.n if op is ReduceOp.AVG else 1
         for lo, hi, views in self.pieces:
             dst = work[lo:hi]
-            if acc is None:
-                part = views[0]
-                for k in range(1, self.n):  # local data first, the partial result second, as a ring step
-                    device.reduce(dst, views[k], part, op, last_div if k == last else 1)
-                    part = dst
-                continue
             part = acc[lo:hi]
             device.widen(part, views[0])
             for k in range(1, last):

@@ -37,16 +37,17 @@ UFUNCS = {
     ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
 }
 
-_BY_NAME = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
+#: every ReduceOp by itself and by its lower-case name
+OPS = {**{o.value: o for o in ReduceOp}, **{o: o for o in ReduceOp}}
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _INTS = frozenset(INT_DTYPES)
 
 
 def parse_op(op: ReduceOp | str) -> ReduceOp:
     """Return the ReduceOp for ``op`` (a ReduceOp or its name, any case); ValueError otherwise."""
-    found = _BY_NAME.get(op) if isinstance(op, str) else None
+    found = OPS.get(op) if isinstance(op, str) else None
     if found is None and isinstance(op, str):
-        found = _BY_NAME.get(op.lower())
+        found = OPS.get(op.lower())
     if found is not None:
         return found
     raise ValueError(f"unsupported op {op!r}; accepted: {', '.join(o.value for o in ReduceOp)} (or ringcomm.ReduceOp)")

@@ -56,8 +56,11 @@ class Layout:
     def base(self, collective: str, dtype, op: ReduceOp | None, root: int, call: int, wide: bool = False) -> int:
         """The tag of this call's messages, channel 0 (add the channel: ``base | channel``).
         ``wide``: float32 accumulation of a half type (another dtype code: the ranks must agree)."""
-        return _identity(collective, dtype, op, root, self.root_bits, wide) | (call % (1 << self.call_bits)) << (
-            _FIXED + self.root_bits)
+        return self.at_call(_identity(collective, dtype, op, root, self.root_bits, wide), call)
+
+    def at_call(self, tag: int, call: int) -> int:
+        """``tag``, a tag of call 0, as the same tag of call ``call``."""
+        return tag | (call % (1 << self.call_bits)) << (_FIXED + self.root_bits)
 
     @staticmethod
     def channel(tag: int) -> int:

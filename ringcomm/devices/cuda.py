@@ -263,6 +263,16 @@ class CudaDevice:
         k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(use_div),
                               np.float64(div)), stream=self.stream)
 
+    def fold(self, work: Any, pieces: Any, op: ReduceOp, div: int = 1) -> None:
+        """For each ``(lo, hi, views)`` of ``pieces``: ``work[lo:hi]`` = the views reduced in their
+        order by :meth:`reduce` (the next view first, the partial result second; the last step
+        divided by ``div``); queued on the stream (HostDevice.fold)."""
+        for lo, hi, views in pieces:
+            dst, part = work[lo:hi], views[0]
+            for k in range(1, len(views)):
+                self.reduce(dst, views[k], part, op, div if k == len(views) - 1 else 1)
+                part = dst
+
     # ---- float32 accumulation (accumulate="float32"; csrc/accumulate.cu): the bits of HostDevice's
     # methods of the same names: every NaN result the positive quiet NaN (float32 0x7fc00000, float16
     # 0x7e00, bfloat16 0x7fc0), MIN / MAX propagate NaN and give a's zero between +0 and -0, float32 ->

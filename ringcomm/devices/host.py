@@ -58,6 +58,28 @@ class HostDevice:
         if div != 1:
             np.divide(dst, div, out=dst)
 
+    def fold(self, work: np.ndarray, pieces: Any, op: ReduceOp, div: int = 1) -> None:
+        """For each ``(lo, hi, views)`` of ``pieces``: ``work[lo:hi]`` = the views reduced in their
+        order, as :meth:`reduce` would step by step (the next view first, the partial result second;
+        the last step divided by ``div``), with one ufunc call per view (a small all-reduce's fold,
+        engine.Fold)."""
+        if div != 1 and work.dtype in HALF_DTYPES:  # the division fused in float32: reduce() steps
+            for lo, hi, views in pieces:
+                dst, part = work[lo:hi], views[0]
+                for k in range(1, len(views)):
+                    self.reduce(dst, views[k], part, op, div if k == len(views) - 1 else 1)
+                    part = dst
+            return
+        ufunc = UFUNCS[op]
+        for lo, hi, views in pieces:
+            dst = work[lo:hi]
+            ufunc(views[1], views[0], dst)
+            if len(views) > 2:
+                for view in views[2:]:
+                    ufunc(view, dst, dst)
+            if div != 1:
+                np.divide(dst, div, dst)
+
     # ---- float32 accumulation (accumulate="float32"): half-type data, float32 partial sums
     # The same bits as the kernels of csrc/accumulate.cu: every NaN result is the positive quiet NaN
     # (float32 0x7fc00000, float16 0x7e00, bfloat16 0x7fc0), whatever NaNs made it; MIN / MAX give NaN
@@ -130,7 +152,7 @@ class HostDevice:
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """``dst[:] = src``."""
-        np.copyto(dst, src)
+        dst[...] = src
 
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A new scratch array (callers keep and reuse it: it is made on first use, or to grow)."""
