@@ -108,8 +108,7 @@ def all_reduce(
         if fast is not None:
             small, op, src, work = fast
             ctx = Context("all_reduce", comm, comm._host, x.dtype, op)
-            comm._launch(ctx, x.size, -1, False, small.algorithm, small.link, comm.size - 1,
-                         lambda: small.run(ctx, work, src))
+            comm._launch(ctx, x.size, -1, False, small.algorithm, small.link, comm.size - 1, small.run, work, src)
             return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
@@ -132,7 +131,7 @@ def all_reduce(
         # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result)
         small = comm._gather_plan(ctx, kind, count)
         acc = comm._partial_sums(kind, device, count) if wide else None
-        comm._launch(ctx, count, -1, False, small.algorithm, small.link, n - 1, lambda: small.run(ctx, work, src, acc))
+        comm._launch(ctx, count, -1, False, small.algorithm, small.link, n - 1, small.run, work, src, acc)
         if wide:
             comm._scratch_done((kind, "partial sums"), device)
     else:

@@ -387,6 +387,53 @@ class DirectPlan(_Prepared):
         return self._put(ctx, (scatter, gather))
 
 
+class SharedDirectPlan:
+    """An all-reduce in two publications through shared memory (host, every rank on one node;
+    transports.shm.SharedDirect), bitwise the ring's result.
+
+    Each rank copies every chunk of its buffer but its own into its inbox and publishes; it folds
+    its own chunk p, the other inboxes' copies of it and its own data last, in
+    :func:`ringcomm.schedule.fold_order` (the ring's order), into its outbox and publishes again;
+    then it copies every chunk into ``work`` from the outboxes. Each rank reduces 1/N of the buffer, as in the ring, with two waits instead of
+    2(N-1) dependent steps, no message, and nothing of the call's arrays visible to the other
+    ranks (in place costs as much as out of place). Bound to the window, not to any array, so it
+    is looked up by collective, dtype and bounds alone; it owns no memory (``nbytes`` 0).
+    """
+
+    nbytes = 0
+
+    def __init__(self, ctx: Context, bounds: Bounds, shared: Any) -> None:
+        comm = ctx.comm
+        n, p, ring = comm.size, comm.position, comm.ring
+        self.shared, self.n = shared, n
+        lo, hi = bounds[p]
+        self._mine = slice(lo, hi)
+        self._out = shared.outboxes[comm.rank]
+        #: the other ranks' copies of chunk p in fold order (this rank's own, last, is read from src)
+        self._others = [shared.inboxes[ring[q]][lo:hi] for q in fold_order(n, p)[:-1]]
+        #: what this rank publishes: every chunk but its own, into its inbox
+        self._ins = [(slice(a, b), shared.mine[a:b]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
+        self._copies = [(slice(a, b), shared.outboxes[ring[q]]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
+        others = sum(b - a for q, (a, b) in enumerate(bounds) if q != p)
+        self.sent = (others + (n - 1) * (hi - lo)) * ctx.dtype.itemsize  # what the ring (or DirectPlan) sends
+
+    def run(self, ctx: Context, work: Any, src: Any) -> int:
+        device, op, shared, mine = ctx.device, ctx.op, self.shared, self._mine
+        for at, box in self._ins:
+            device.copy(box, src[at])
+        shared.inputs(ctx)
+        if self._out.size:
+            device.fold(self._out, [(0, self._out.size, self._others + [src[mine]])], op, self.n if op is ReduceOp.AVG else 1)
+        shared.outputs(ctx)
+        device.copy(work[mine], self._out)
+        for at, chunk in self._copies:
+            device.copy(work[at], chunk)
+        return self.sent
+
+    def free(self) -> None:
+        """Nothing of its own: the window is the Communicator's."""
+
+
 class GatherFold:
     """A small all-reduce of ``count`` elements: every rank's whole buffer gathered, then folded
     locally in the ring's order (:class:`Fold`), bitwise the ring's result, in N-1 steps' worth of

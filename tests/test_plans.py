@@ -1,5 +1,7 @@
 """Cached plans on the host: ring plans found by address, small all-reduces on a persistent
-MPI_Allgather, both bounded, both freed by close(); results checked against MPI and float64."""
+MPI_Allgather, both bounded, both freed by close(); results checked against MPI and float64.
+(The shared-memory window's all-reduces would take these all-reduces: the tests that pin the MPI
+plans turn it off, ``shared_memory=False``; tests/test_shared.py tests the window.)"""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def _ring_count(n: int) -> int:
 def test_a_plan_follows_the_address_not_the_array():
     """Fresh views at one address run one plan; other addresses get their own; every result is exact."""
     mpi = MPI.COMM_WORLD
-    comm = make_comm(small_bytes=1024)
+    comm = make_comm(small_bytes=1024, shared_memory=False)
     n, count = comm.size, _ring_count(comm.size)
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     pool = np.zeros(3 * count + 64, np.int64)
@@ -74,7 +76,7 @@ def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
 def test_small_all_reduces_gather_with_mpi_and_fold_in_ring_order():
     """The persistent MPI_Allgather path is bitwise the ring's result, on every op and rank."""
     mpi = MPI.COMM_WORLD
-    fast, ring = make_comm(), make_comm(small_bytes=0)
+    fast, ring = make_comm(shared_memory=False), make_comm(small_bytes=0, shared_memory=False)
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     for count in (0, 1, 5, 16 * mpi.size + 3, 1000):
         for op in ("sum", "prod", "min", "max", "avg"):
@@ -94,15 +96,17 @@ def comm_result(comm: ringcomm.Communicator, x: np.ndarray, op: str) -> np.ndarr
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_small_all_reduce_mismatch_is_an_error_on_every_rank():
-    """A collective carries no tag: the gathered blocks' headers catch ranks in different calls."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_small_all_reduce_mismatch_is_an_error_on_every_rank(shared):
+    """A collective carries no tag: the gathered blocks' headers (MPI's gather, or the shared
+    window's slots) catch ranks in different calls."""
     mpi = MPI.COMM_WORLD
     r = mpi.rank
     for x, match in (
         (np.ones(8, np.int32 if r == 0 else np.float32), "did not make the same call"),  # same size, other dtype
         (np.ones(8 if r == 0 else 6, np.float32), "did not make the same call|longer block"),  # other count
     ):
-        comm = make_comm()
+        comm = make_comm(shared_memory=shared)
         comm.all_reduce(np.ones(4, np.float32))
         with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=match + "|aborted") as info:
             comm.all_reduce(x)
@@ -116,7 +120,7 @@ def test_direct_all_reduce_is_bitwise_the_ring():
     from ringcomm.engine import DirectPlan, Plan
 
     mpi = MPI.COMM_WORLD
-    direct, ring = make_comm(small_bytes=0), make_comm(small_bytes=0)
+    direct, ring = make_comm(small_bytes=0, shared_memory=False), make_comm(small_bytes=0, shared_memory=False)
     ring.single_node = False  # as if the ring left the node: the ring plan runs
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     for count in (1, 5, 16 * mpi.size - 1, 40003):
@@ -146,7 +150,7 @@ def test_a_warm_plan_still_names_the_op_in_its_messages():
     """Plans made by earlier calls (every call number mod 4) are per op: a rank that reduces with
     another op on the same buffers sees a message it did not expect, not wrong data."""
     mpi = MPI.COMM_WORLD
-    comm = make_comm(small_bytes=0)
+    comm = make_comm(small_bytes=0, shared_memory=False)
     x = np.ones(_ring_count(comm.size), np.float32)
     out = np.empty_like(x)
     for op in ("sum", "max", "sum", "max", "sum", "max", "sum", "max"):

@@ -349,12 +349,22 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     if edges:
         out("# Ring: " + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1]) + f" ({comm.ring[0]})"
             + f"  (nodes: {','.join(comm.nodes)})")
-    gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"
-              else "N-1 ring steps of whole buffers")
-    algorithm = (f"all_reduce up to {comm.small_bytes} B: gather-fold ({gather}, then a local fold in the ring's "
-                 "order: bitwise the ring's result); above, and every other collective: ring (host buffers up to "
-                 f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests)")
-    out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES)")
+    window = comm.shared_memory() if device == "host" else None
+    if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
+        small, direct = window
+        algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
+                     "in an MPI shared-memory window, then a local fold in the ring's order)"
+                     + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
+                        "rank's inbox)" if direct else "")
+                     + "; bitwise the ring's result; above, and every other collective: ring (host buffers up to "
+                     f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
+    else:
+        gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"
+                  else "N-1 ring steps of whole buffers")
+        algorithm = (f"all_reduce up to {comm.small_bytes} B: gather-fold ({gather}, then a local fold in the ring's "
+                     "order: bitwise the ring's result); above, and every other collective: ring (host buffers up to "
+                     f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests)")
+    out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES, RINGCOMM_SHM)")
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")
     out(f"# Time: {st.describe()}")

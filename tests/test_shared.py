@@ -1,0 +1,166 @@
+"""Host all-reduces through the shared-memory window (transports.shm, engine.SharedDirectPlan):
+bitwise the ring's result on every rank, against MPI and float64 on fresh random data; ranks that
+drift apart in time; mismatches and missing peers; the window's size and its freeing."""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_matches, gather_all, make_comm, random_input, shared_seed
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm import communicator
+from ringcomm.engine import GatherFold, SharedDirectPlan
+from ringcomm.ops import ReduceOp
+from ringcomm.transports import shm
+
+DTYPES = (np.float32, np.float16, np.dtype(ml_dtypes.bfloat16), np.float64, np.int32, np.uint8)
+
+
+def _counts(n: int, small: int) -> tuple[int, ...]:
+    """Empty, below N, not dividing N, both sides of small_bytes (float32), a few thousand."""
+    return (0, 1, n - 1 or 1, 16 * n + 3, small // 4, small // 4 + 1, 40_003)
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4, 5])
+def test_shared_all_reduces_are_bitwise_the_ring_and_right():
+    """Small (slots) and larger (inbox/outbox) all-reduces: the ring's bits for every op and dtype,
+    in and out of place, the same on every rank, and within float64's reference."""
+    mpi = MPI.COMM_WORLD
+    shared, ring = make_comm(small_bytes=4096), make_comm(small_bytes=0, shared_memory=False)
+    assert shared._shared is not None and ring._shared is None
+    ring.single_node = False  # the ring itself (no direct exchange), the reference bits
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    for count in _counts(mpi.size, 4096):
+        for dtype in DTYPES:
+            for op in ReduceOp:
+                if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":
+                    continue
+                x = random_input(rng, count, np.dtype(dtype), op)
+                got, want = np.empty_like(x), np.empty_like(x)
+                shared.all_reduce(x, op, out=got)
+                ring.all_reduce(x, op, out=want)
+                what = f"count {count} {np.dtype(dtype)} {op}"
+                assert got.tobytes() == want.tobytes(), what
+                y = x.copy()
+                shared.all_reduce(y, op)  # in place
+                assert y.tobytes() == want.tobytes(), what + " in place"
+                assert mpi.allgather(got.tobytes()) == [got.tobytes()] * mpi.size, what
+                if count and dtype in (np.float32, np.float64, np.int32):
+                    assert_matches(got, gather_all(mpi, x), op, what)
+    kinds = {type(v) for v in shared._gathers.values()} | {type(p) for p in shared._plans.values()}
+    assert kinds == {GatherFold, SharedDirectPlan}, kinds
+    assert all(v.algorithm == "gather-fold (shared memory)" for v in shared._gathers.values())
+    shared.close()
+    ring.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_ranks_that_drift_apart_never_read_a_place_being_rewritten():
+    """Back-to-back calls of random sizes (small and direct in turn: both slots and the inbox
+    reused) with random delays on one rank at a time, nothing else between them: every result is
+    exact. (Every rank knows every rank's input, so the expected sums need no communication that
+    would resynchronize the ranks.)"""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = make_comm(small_bytes=2048)
+    rng = np.random.default_rng([shared_seed(mpi), 7])  # the same plan of calls on every rank
+    calls = []
+    for i in range(300):
+        count = int(rng.choice([1, 17, 300, 512, 513, 5000, 70_000]))
+        inputs = [np.random.default_rng([i, rank]).integers(-1000, 1000, count) for rank in range(n)]
+        delay = float(rng.random()) * 1e-3 if rng.random() < 0.3 else 0.0
+        calls.append((inputs[r], sum(inputs), bool(rng.random() < 0.5), int(rng.integers(n)), delay))
+    got = []
+    for x, _, in_place, slow, delay in calls:
+        if delay and r == slow:
+            time.sleep(delay)
+        got.append(comm.all_reduce(x.copy()) if in_place else comm.all_reduce(x, out=np.empty_like(x)))
+    for i, (result, (_, want, *_)) in enumerate(zip(got, calls)):
+        assert np.array_equal(result, want), f"call {i}, count {want.size}"
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
+    """The headers catch another dtype of the same size, another op, another count, and a rank in
+    the other kind of shared call (its buffer above small_bytes); every rank raises."""
+    mpi = MPI.COMM_WORLD
+    r = mpi.rank
+    cases = (
+        (lambda c: c.all_reduce(np.ones(8, np.int32 if r == 0 else np.float32))),
+        (lambda c: c.all_reduce(np.ones(5000, np.float32), "max" if r == 0 else "sum")),
+        (lambda c: c.all_reduce(np.ones(5000 if r == 0 else 5001, np.float32))),
+        (lambda c: c.all_reduce(np.ones(100 if r == 0 else 5000, np.float32))),  # slots against the inbox
+    )
+    for call in cases:
+        comm = make_comm(small_bytes=1024)
+        assert (comm.all_reduce(np.ones(4000, np.float32)) == mpi.size).all()
+        with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError)) as info:
+            call(comm)
+        seen = mpi.allgather(type(info.value).__name__)
+        assert "MismatchError" in seen, seen
+        if isinstance(info.value, ringcomm.MismatchError):
+            assert "in shared memory): the ranks did not make the same call" in str(info.value)
+        comm.close()  # an aborted communicator keeps its window (a late peer may still read it)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_missing_peer_in_shared_memory_times_out_naming_it():
+    mpi = MPI.COMM_WORLD
+    late = mpi.size - 1
+    for count in (100, 100_000):  # a slot, the inbox
+        comm = make_comm(timeout=0.5)
+        if mpi.rank != late:
+            with pytest.raises((ringcomm.TimeoutError, ringcomm.AbortError)) as info:
+                comm.all_reduce(np.ones(count, np.float32))
+            e = info.value
+            assert e.collective == "all_reduce" and e.step == 0
+            if isinstance(e, ringcomm.TimeoutError):
+                assert e.peer == late and f"rank {late}'s whole buffer in shared memory" in str(e)
+        mpi.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_close_frees_the_window_and_a_missing_peer_in_close_times_out():
+    mpi = MPI.COMM_WORLD
+    comm = make_comm()
+    window = comm._shared
+    comm.all_reduce(np.ones(10))
+    comm.close()
+    assert comm._shared is None and window.regions == []
+    comm = make_comm(timeout=0.5)
+    if mpi.rank == 0:
+        with pytest.raises(ringcomm.TimeoutError, match=r"close\(\): rank 0 waited 0.5 s.*close\(\)"):
+            comm.close()
+    time.sleep(1.0)
+    mpi.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_no_window_when_turned_off_or_without_room():
+    off = make_comm(shared_memory=False)
+    assert off._shared is None
+    x = np.ones(100)
+    assert (off.all_reduce(x) == 2).all()
+    assert all(v.algorithm == "gather-fold (MPI_Allgather_init)" for v in off._gathers.values())
+    off.close()
+
+
+def test_window_sizes_fit_the_budget():
+    """Slots of small_bytes and an inbox of SHARED_BYTES (half at 2 ranks), shrunk to fit a quarter
+    of /dev/shm's free space and SHARED_TOTAL_BYTES, then dropped."""
+    big = 1 << 40
+    assert communicator._window_bytes(4, 65536, big) == (65536, communicator.SHARED_BYTES)
+    assert communicator._window_bytes(2, 65536, big) == (65536, communicator.SHARED_BYTES // 2)
+    assert communicator._window_bytes(4, 1 << 30, big)[0] == communicator.SHARED_SMALL_BYTES
+    small, direct = communicator._window_bytes(64, 65536, big)
+    assert small == 65536 and 0 < direct < communicator.SHARED_BYTES
+    assert 64 * shm.region_bytes(64, small, direct) <= communicator.SHARED_TOTAL_BYTES
+    assert communicator._window_bytes(4, 65536, 4 * 4 * shm.region_bytes(4, 65536, 0)) == (65536, 0)
+    assert communicator._window_bytes(4, 65536, 1000) is None
+    assert communicator._window_bytes(4, 0, 1000) is None
