@@ -463,11 +463,8 @@ class Communicator:
             key = (ctx.collective, root, ctx.dtype, bounds, "shared")  # bound to the window, not to addresses
             plan = self._plans.get(key)
             if plan is None:
-                chunks = [0] * self.size
-                for q, (lo, hi) in enumerate(bounds):
-                    chunks[self.ring[q]] = hi - lo
-                plan = self._cache(key, SharedDirectPlan(ctx, bounds, SharedDirect(
-                    self, self._shared, ctx.dtype, count, chunks)))
+                shared = SharedDirect(self, self._shared, ctx.dtype, count, bounds)
+                plan = self._cache(key, SharedDirectPlan(ctx, bounds, shared))
             self._launch(ctx, count, root, agreed, "direct (shared memory)", link, 2, plan.run, work, src)
             return
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:

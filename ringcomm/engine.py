@@ -356,8 +356,7 @@ class DirectPlan(_Prepared):
         slot = {q: k for k, q in enumerate(qq for qq in range(n) if qq != p)}
         self._order = [slot[q] for q in order[:-1]]
         self.nbytes = self._incoming.nbytes
-        others = sum(b - a for q, (a, b) in enumerate(bounds) if q != p)
-        self.sent = (others + (n - 1) * (hi - lo)) * ctx.dtype.itemsize  # round 1, round 2
+        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize)
         super().__init__()
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
@@ -387,6 +386,13 @@ class DirectPlan(_Prepared):
         return self._put(ctx, (scatter, gather))
 
 
+def _direct_sent(bounds: Bounds, p: int, n: int, itemsize: int) -> int:
+    """The payload bytes a direct all-reduce (or the ring) sends from place ``p``: every other
+    chunk once (reduce-scatter), its own reduced chunk N-1 times (all-gather)."""
+    lo, hi = bounds[p]
+    return (sum(b - a for q, (a, b) in enumerate(bounds) if q != p) + (n - 1) * (hi - lo)) * itemsize
+
+
 class SharedDirectPlan:
     """An all-reduce in two publications through shared memory (host, every rank on one node;
     transports.shm.SharedDirect), bitwise the ring's result.
@@ -394,9 +400,10 @@ class SharedDirectPlan:
     Each rank copies every chunk of its buffer but its own into its inbox and publishes; it folds
     its own chunk p, the other inboxes' copies of it and its own data last, in
     :func:`ringcomm.schedule.fold_order` (the ring's order), into its outbox and publishes again;
-    then it copies every chunk into ``work`` from the outboxes. Each rank reduces 1/N of the buffer, as in the ring, with two waits instead of
-    2(N-1) dependent steps, no message, and nothing of the call's arrays visible to the other
-    ranks (in place costs as much as out of place). Bound to the window, not to any array, so it
+    then it copies every chunk into ``work`` from the outboxes. Each rank reduces 1/N of the
+    buffer, as in the ring, with two waits instead of 2(N-1) dependent steps, no message, and
+    nothing of the call's arrays visible to the other ranks (in place costs as much as out of
+    place). Bound to the window, not to any array, so it
     is looked up by collective, dtype and bounds alone; it owns no memory (``nbytes`` 0).
     """
 
@@ -414,8 +421,7 @@ class SharedDirectPlan:
         #: what this rank publishes: every chunk but its own, into its inbox
         self._ins = [(slice(a, b), shared.mine[a:b]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
         self._copies = [(slice(a, b), shared.outboxes[ring[q]]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
-        others = sum(b - a for q, (a, b) in enumerate(bounds) if q != p)
-        self.sent = (others + (n - 1) * (hi - lo)) * ctx.dtype.itemsize  # what the ring (or DirectPlan) sends
+        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize)
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
         device, op, shared, mine = ctx.device, ctx.op, self.shared, self._mine
@@ -423,7 +429,8 @@ class SharedDirectPlan:
             device.copy(box, src[at])
         shared.inputs(ctx)
         if self._out.size:
-            device.fold(self._out, [(0, self._out.size, self._others + [src[mine]])], op, self.n if op is ReduceOp.AVG else 1)
+            div = self.n if op is ReduceOp.AVG else 1
+            device.fold(self._out, [(0, self._out.size, self._others + [src[mine]])], op, div)
         shared.outputs(ctx)
         device.copy(work[mine], self._out)
         for at, chunk in self._copies:

@@ -10,8 +10,9 @@ sequence word on a cache line of its own, two *slots* (a header of 32 bytes, the
   every rank has published, and folds the N blocks where they lie (the others' slots read in
   place: one copy of the data);
 - a larger one (:class:`SharedDirect`, engine.SharedDirectPlan) copies its buffer (all chunks
-  but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes into its outbox and publishes
-  again; every rank then copies the other ranks' reduced chunks from their outboxes.
+  but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes
+  into its outbox and publishes again; every rank then copies the other ranks' reduced chunks
+  from their outboxes.
 
 Protocol (every rank makes the same calls, in the same order): a rank's *publications* are
 numbered 1, 2, ... (its sequence word holds the last). To publish, a rank writes what it publishes
@@ -69,9 +70,9 @@ class SharedWindow:
     one node), in a passive-target epoch for its whole life (MPI_Win_lock_all), so that
     MPI_Win_sync orders its loads and stores. ``small``, ``direct``: the data bytes of a slot and
     of an inbox (every rank passes the same); ``spins``: reads of a sequence word before a wait
-    yields (0 when ranks outnumber cores: the rank waited for may need this core). Collective over ``mpi``; the caller then waits for
-    every rank (a barrier) before the first call, so that no rank reads a region its owner has
-    not zeroed yet."""
+    yields (0 when ranks outnumber cores: the rank waited for may need this core). Collective
+    over ``mpi``; the caller then waits for every rank (a barrier) before the first call, so that
+    no rank reads a region its owner has not zeroed yet."""
 
     def __init__(self, mpi: MPI.Intracomm, small: int, direct: int, spins: int) -> None:
         n = mpi.size
@@ -207,19 +208,22 @@ class SharedDirect(_Headed):
     :class:`SharedWindow` (engine.SharedDirectPlan folds and copies between them).
 
     ``mine``: this rank's inbox, where the caller copies its buffer (all but its own chunk, which
-    nobody else reads) before :meth:`inputs`; ``inboxes[i]``: rank i's buffer, after it; ``outboxes[i]``: rank i's reduced chunk (of
-    ``chunks[i]`` elements, rank i's chunk of the ring: ``shard_bounds``), which the caller writes
-    into its own before :meth:`outputs` and reads from the others' after it.
+    nobody else reads) before :meth:`inputs`; ``inboxes[i]``: rank i's buffer, after it;
+    ``outboxes[i]``: rank i's reduced chunk (its chunk of ``bounds``, the chunks by ring place),
+    which the caller writes into its own before :meth:`outputs` and reads from the others' after it.
     """
 
-    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, chunks: list[int]) -> None:
+    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, bounds: Any) -> None:
         n, nbytes = comm.size, count * dtype.itemsize
         self.window, self.count = window, count
         boxes = [window.inbox(rank, nbytes) for rank in range(n)]
         self._headers = [header for header, _ in boxes]
         self.inboxes = [data.view(dtype) for _, data in boxes]
         self.mine = self.inboxes[comm.rank]
-        self.outboxes = [window.outbox(rank, chunks[rank] * dtype.itemsize).view(dtype) for rank in range(n)]
+        self.outboxes = [np.empty(0, dtype)] * n
+        for place, (lo, hi) in enumerate(bounds):
+            rank = comm.ring[place]
+            self.outboxes[rank] = window.outbox(rank, (hi - lo) * dtype.itemsize).view(dtype)
         self._tags: dict = {}
 
     def inputs(self, ctx: Any) -> None:
