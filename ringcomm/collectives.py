@@ -70,7 +70,7 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
     communicator, a known op that suits the dtype, no float32 accumulation), else None: the full
     path then runs, with its checks and their messages."""
     small = comm._gathers.get(("host", x.size, x.dtype))
-    op = OPS.get(op)
+    op = OPS.get(op) if isinstance(op, str) else None  # (a ReduceOp is a str; anything else: the full path's error)
     if small is None or op is None or comm._aborted or comm._late_error is not None or comm.accumulate_override:
         return None
     flags = x.flags

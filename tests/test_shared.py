@@ -164,3 +164,19 @@ def test_window_sizes_fit_the_budget():
     assert communicator._window_bytes(4, 65536, 4 * 4 * shm.region_bytes(4, 65536, 0)) == (65536, 0)
     assert communicator._window_bytes(4, 65536, 1000) is None
     assert communicator._window_bytes(4, 0, 1000) is None
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_the_fast_lane_refuses_what_the_full_path_refuses():
+    """Once a small all-reduce is cached, a bad op is still the full path's ValueError, raised
+    before any communication (an unhashable op must not reach the lane's dictionary)."""
+    comm = make_comm()
+    x = np.ones(16, np.float32)
+    comm.all_reduce(x)
+    for bad in (["sum"], {"op": "sum"}, 3, "median"):
+        with pytest.raises(ValueError, match="unsupported op"):
+            comm.all_reduce(x, bad)
+    with pytest.raises(TypeError, match="would silently floor"):
+        comm.all_reduce(np.ones(16, np.int32), "avg")
+    assert (comm.all_reduce(x) == 4).all()  # nothing moved: the ranks are still in step
+    comm.close()
