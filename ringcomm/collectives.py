@@ -65,13 +65,15 @@ def _root(comm: Any, root: Any) -> int:
 
 def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
     """The fast lane of a small all-reduce of numpy arrays whose gather is cached:
-    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (contiguous,
+    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (still within
+    small_bytes, contiguous,
     writable where written, out of x's dtype and size and apart from x or x itself, a usable
     communicator, a known op that suits the dtype, no float32 accumulation), else None: the full
     path then runs, with its checks and their messages."""
     small = comm._gathers.get(("host", x.size, x.dtype))
     op = OPS.get(op) if isinstance(op, str) else None  # (a ReduceOp is a str; anything else: the full path's error)
-    if small is None or op is None or comm._aborted or comm._late_error is not None or comm.accumulate_override:
+    if (small is None or op is None or x.nbytes > comm.small_bytes or comm._aborted or comm._late_error is not None
+            or comm.accumulate_override):
         return None
     flags = x.flags
     if not flags.c_contiguous or (op is ReduceOp.AVG and x.dtype.kind in "iu"):  # (a cached dtype is supported)

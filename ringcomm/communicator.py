@@ -261,34 +261,48 @@ class Communicator:
             reused.free()
         self._scratch.clear()
         window, self._shared = self._shared, None
-        if window is not None:
-            self._free_window(window)
-        self.node_comm.Free()
-        self._gather_mpi.Free()
-        self.mpi.Free()
-        self._aborted = _CLOSED
+        try:
+            if window is not None:
+                self._free_window(window)
+        finally:  # (MPI frees a communicator once what is pending on it completes)
+            self.node_comm.Free()
+            self._gather_mpi.Free()
+            self.mpi.Free()
+            self._aborted = _CLOSED
 
     def _free_window(self, window: SharedWindow) -> None:
-        """Free the shared-memory window, which synchronizes every rank: first an MPI_Ibarrier
-        under the deadline (a rank that never closes is a TimeoutError, not a hang). After an
-        abort, or that timeout, a late peer may still read it: it is kept for the process's life."""
+        """Free the shared-memory window. MPI_Win_free synchronizes every rank and has no
+        deadline, so two MPI_Ibarriers under the deadline come first, and a rank frees only once
+        both completed: a rank that never closes is a TimeoutError, not a hang, and a rank that
+        gives up on the first never posts the second, so a late rank whose first barrier completes
+        against the abandoned one times out in the second instead of hanging in MPI_Win_free.
+        (Only a rank stalled for the whole timeout between its two barriers can still hang one.)
+        A rank that gives up tells its neighbours (an abort: their waits end at once). After an
+        abort, or that timeout, a late peer may still read the window: it is kept for the
+        process's life."""
         if self._aborted:
             abandon(None, window)
             return
         ctx = Context("close()", self, self._host, np.dtype(np.uint8), None)
-        request = self.mpi.Ibarrier()
-        try:
-            wait([request], ctx, None, self.left, "every rank's close() (they free shared memory together)")
-        except BaseException:
-            abandon(request, window)
-            self._aborted = _CLOSED
-            raise
+        for what in ("every rank's close() (they free shared memory together)",
+                     "every rank's second barrier of close() (before they free shared memory)"):
+            request = self.mpi.Ibarrier()
+            try:
+                self._guarded(lambda: wait([request], ctx, None, self.left, what))
+            except BaseException:
+                abandon(request, window)
+                raise
         window.free()
 
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        """close(); after an exception in the block, without waiting for the other ranks: the
+        communicator is aborted first (the neighbours are told, and their waits, close()
+        included, raise AbortError), and the exception goes on."""
+        if error is not None and self._aborted != _CLOSED:
+            self._abort(error)
         self.close()
 
     def __repr__(self) -> str:
@@ -585,7 +599,10 @@ def _node_labels(raw: str, size: int) -> tuple[str, ...]:
 
 
 def _shm_free() -> int:
-    """The free bytes of /dev/shm, where MPI maps shared memory (0 when it cannot be read)."""
+    """The free bytes of /dev/shm, where MPI maps shared memory (0 when it cannot be read; MPICH's
+    window is a file there, seen in /proc/self/maps as /dev/shm/mpich_shar_tmp*). The window's
+    pages are touched at creation, so only a /dev/shm filled by others after the check can still
+    fail later (with SIGBUS, as for MPI's own shared memory)."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:

@@ -4,12 +4,13 @@ drift apart in time; mismatches and missing peers; the window's size and its fre
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_matches, gather_all, make_comm, random_input, shared_seed
+from conftest import assert_matches, deadline_barrier, gather_all, make_comm, random_input, shared_seed
 from mpi4py import MPI
 
 import ringcomm
@@ -106,6 +107,8 @@ def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
         assert "MismatchError" in seen, seen
         if isinstance(info.value, ringcomm.MismatchError):
             assert "in shared memory): the ranks did not make the same call" in str(info.value)
+            if call is cases[-1]:  # not the other rank's stale header in this place, described as a call
+                assert "in a call that does not publish in its" in str(info.value), info.value
         comm.close()  # an aborted communicator keeps its window (a late peer may still read it)
 
 
@@ -134,11 +137,43 @@ def test_close_frees_the_window_and_a_missing_peer_in_close_times_out():
     comm.close()
     assert comm._shared is None and window.regions == []
     comm = make_comm(timeout=0.5)
+    window = comm._shared
     if mpi.rank == 0:
         with pytest.raises(ringcomm.TimeoutError, match=r"close\(\): rank 0 waited 0.5 s.*close\(\)"):
             comm.close()
-    time.sleep(1.0)
-    mpi.Barrier()
+    else:
+        # late: its first barrier completes against rank 0's abandoned one; it must not then hang
+        # in MPI_Win_free (which rank 0 never calls) but learn that rank 0 gave up
+        time.sleep(1.0)
+        start = time.monotonic()
+        with pytest.raises((ringcomm.AbortError, ringcomm.TimeoutError)) as info:
+            comm.close()
+        assert time.monotonic() - start < 5 and info.value.collective == "close()"
+    assert comm._aborted and window.regions  # kept mapped: a peer that gave up never frees it
+    with pytest.raises(ringcomm.RingcommError, match="aborted|closed"):
+        comm.all_reduce(np.ones(10))
+    deadline_barrier(mpi)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_an_error_in_a_with_block_goes_on_and_the_others_do_not_wait_for_it():
+    """A rank whose ``with`` block raises closes without waiting (its peers would never come):
+    its exception goes on, and the peers' close() raises AbortError at once, not after the timeout."""
+    mpi = MPI.COMM_WORLD
+    start = time.monotonic()
+    if mpi.rank == 1:
+        with pytest.raises(KeyError, match="local"):
+            with make_comm(timeout=30) as comm:
+                comm.all_reduce(np.ones(10))
+                raise KeyError("local")
+    else:
+        with pytest.raises(ringcomm.AbortError, match="rank 1.*KeyError") as info:
+            with make_comm(timeout=30) as comm:
+                comm.all_reduce(np.ones(10))
+        assert info.value.collective == "close()"
+    assert time.monotonic() - start < 10
+    assert comm._aborted
+    deadline_barrier(mpi)
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -167,9 +202,10 @@ def test_window_sizes_fit_the_budget():
 
 
 @pytest.mark.parallel(nprocs=[2])
-def test_the_fast_lane_refuses_what_the_full_path_refuses():
+def test_the_fast_lane_refuses_what_the_full_path_refuses(caplog):
     """Once a small all-reduce is cached, a bad op is still the full path's ValueError, raised
-    before any communication (an unhashable op must not reach the lane's dictionary)."""
+    before any communication (an unhashable op must not reach the lane's dictionary); a smaller
+    small_bytes set later sends it to the ring, as the full path does."""
     comm = make_comm()
     x = np.ones(16, np.float32)
     comm.all_reduce(x)
@@ -179,4 +215,8 @@ def test_the_fast_lane_refuses_what_the_full_path_refuses():
     with pytest.raises(TypeError, match="would silently floor"):
         comm.all_reduce(np.ones(16, np.int32), "avg")
     assert (comm.all_reduce(x) == 4).all()  # nothing moved: the ranks are still in step
+    comm.small_bytes = 0  # no gather from now on, though it is cached
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        assert (comm.all_reduce(x) == 8).all()
+    assert "algorithm=direct (shared memory)" in caplog.text, caplog.text
     comm.close()

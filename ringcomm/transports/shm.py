@@ -135,7 +135,11 @@ class SharedWindow:
 
 
 class _Headed:
-    """A call's first publication carries a header in every rank's place; checked after it."""
+    """A call's first publication carries a header in every rank's ``place``; checked after it
+    (a header of an earlier publication there: that rank published elsewhere, in a call of the
+    other kind)."""
+
+    place = ""
 
     def _stamp(self, ctx: Any, header: memoryview) -> None:
         tag = self._tags.get((ctx.op, ctx.wide))
@@ -157,8 +161,10 @@ class _Headed:
         def call_of(tag: int, call: int) -> str:
             return layout.describe(layout.at_call(tag & ~7, call), call)
 
-        rows = [f"rank {rank} in {call_of(tag, call)}, count {count}"
-                for rank, (tag, call, count, _) in enumerate(said) if said[rank] != mine]
+        rows = [f"rank {rank} in {call_of(tag, call)}, count {count}" if publication == mine[3] else
+                f"rank {rank} in a call that does not publish in its {self.place} (a buffer of at most "
+                f"small_bytes goes to a slot, a larger one to the inbox)"
+                for rank, (tag, call, count, publication) in enumerate(said) if said[rank] != mine]
         return MismatchError(
             f"{ctx.collective} call {ctx.call}: rank {me} is in {call_of(mine[0], mine[1])}, count {mine[2]}, "
             f"but {'; '.join(rows)} (at step 0, {what} in shared memory): the ranks did not make the same call"
@@ -173,6 +179,8 @@ class SharedBlocks(_Headed):
     ``blocks[side][i]``: rank i's block, read in place after the run. ``sent``: the bytes a ring
     gather would send, (N-1)·count·itemsize.
     """
+
+    place = "slot"
 
     def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int) -> None:
         n, nbytes = comm.size, count * dtype.itemsize
@@ -212,6 +220,8 @@ class SharedDirect(_Headed):
     ``outboxes[i]``: rank i's reduced chunk (its chunk of ``bounds``, the chunks by ring place),
     which the caller writes into its own before :meth:`outputs` and reads from the others' after it.
     """
+
+    place = "inbox"
 
     def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, bounds: Any) -> None:
         n, nbytes = comm.size, count * dtype.itemsize
