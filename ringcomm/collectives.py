@@ -7,6 +7,7 @@ on the rank that passed it and never leaves its peers waiting inside a ring (the
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,9 @@ import numpy as np
 from . import schedule
 from .arrays import classify, default_stream, flat, relation, writable
 from .engine import Context
-from .ops import HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
+from .ops import AVG, HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
+
+_debug, DEBUG = logging.getLogger("ringcomm").isEnabledFor, logging.DEBUG
 
 
 def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
@@ -65,34 +68,32 @@ def _root(comm: Any, root: Any) -> int:
 
 def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
     """The fast lane of a small all-reduce of numpy arrays whose gather is cached:
-    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (still within
-    small_bytes, contiguous,
-    writable where written, out of x's dtype and size and apart from x or x itself, a usable
-    communicator, a known op that suits the dtype, no float32 accumulation), else None: the full
-    path then runs, with its checks and their messages."""
+    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (a usable
+    communicator without check=True or float32 accumulation, a known op that suits the dtype, x
+    contiguous and still within small_bytes, written arrays writable, out of x's dtype and size
+    and apart from x, or x itself) and the DEBUG log is off, else None: the full path then runs,
+    with its checks, their messages and its log line."""
     small = comm._gathers.get(("host", x.size, x.dtype))
     op = OPS.get(op) if isinstance(op, str) else None  # (a ReduceOp is a str; anything else: the full path's error)
-    if (small is None or op is None or x.nbytes > comm.small_bytes or comm._aborted or comm._late_error is not None
-            or comm.accumulate_override):
+    if (small is None or op is None or x.nbytes > comm.small_bytes or comm._aborted or comm.check
+            or comm._late_error is not None or comm.accumulate_override or _debug(DEBUG)):
         return None
     flags = x.flags
-    if not flags.c_contiguous or (op is ReduceOp.AVG and x.dtype.kind in "iu"):  # (a cached dtype is supported)
+    if not flags.c_contiguous or (op is AVG and x.dtype.kind in "iu"):  # (a cached dtype is supported)
         return None
     src = x if x.ndim == 1 else x.reshape(-1)
     if out is None or out is x:
         if not flags.writeable:
             return None
-        work = src
-    else:
-        if type(out) is not np.ndarray or out.dtype != x.dtype or out.size != x.size:
-            return None
-        owned, flags = flags.owndata, out.flags
-        if not flags.c_contiguous or not flags.writeable:
-            return None
-        if not (owned and flags.owndata) and np.may_share_memory(out, x):  # two arrays that own their memory are apart
-            return None
-        work = out if out.ndim == 1 else out.reshape(-1)
-    return small, op, src, work
+        return small, op, src, src
+    if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != x.size:
+        return None
+    owned, flags = flags.owndata, out.flags
+    if not flags.c_contiguous or not flags.writeable:
+        return None
+    if not (owned and flags.owndata) and np.may_share_memory(out, x):  # two arrays that own their memory are apart
+        return None
+    return small, op, src, out if out.ndim == 1 else out.reshape(-1)
 
 
 def all_reduce(
@@ -107,10 +108,12 @@ def all_reduce(
     """
     if type(x) is np.ndarray and stream is None and accumulate is None:
         fast = _small_host(comm, x, op, out)
-        if fast is not None:
+        if fast is not None:  # (what _launch does, less what the lane refused: the agreement, the log)
             small, op, src, work = fast
             ctx = Context("all_reduce", comm, comm._host, x.dtype, op)
-            comm._launch(ctx, x.size, -1, False, small.algorithm, small.link, comm.size - 1, small.run, work, src)
+            comm._calls += 1
+            ctx.call = comm._calls
+            comm._execute(ctx, small.run, work, src)
             return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)

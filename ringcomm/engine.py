@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .ops import ReduceOp
+from .ops import AVG, SUM, ReduceOp
 from .schedule import Bounds, Step, fold_order
 from .tags import PLAN, PLAN_CALLS
 from .transports.base import abandon
@@ -137,7 +137,7 @@ def execute(
     the final one rounds once into ``work`` (``reduce_acc_final``, the AVG division in float32).
     Final chunks (the all-gather phase) travel in the array's dtype.
     """
-    op, device, acc = ctx.op or ReduceOp.SUM, ctx.device, ctx.acc
+    op, device, acc = ctx.op or SUM, ctx.device, ctx.acc
     receiver, sender = link.recv, link.send
     n = ctx.comm.size
     bound, written = bind(steps, len(bounds), work is src, acc is not None)
@@ -166,7 +166,7 @@ def execute(
                 sender.post(st, send, True)
                 if st.reduce:
                     local = bufs[local_from][lo:hi]
-                    div = n if st.final and op is ReduceOp.AVG else 1
+                    div = n if st.final and op is AVG else 1
                     if acc is None:
                         spare = private and local_from == WORK  # in place: the result may go through it
                         for a, b, incoming in receiver.recv(st, sender):
@@ -286,14 +286,14 @@ class Plan(_Prepared):
             prepared = self._make(ctx, work, src) if self._preparable else None
             if prepared is None:  # this link cannot prepare these buffers: the engine's loop
                 return execute(ctx, self.steps, self.bounds, work, src, self.link, self.result_chunks)
-        op, device, n, scratch = ctx.op or ReduceOp.SUM, ctx.device, ctx.comm.size, self._scratch
+        op, device, n, scratch = ctx.op or SUM, ctx.device, ctx.comm.size, self._scratch
         bufs = (src, work)
         try:
             for st, step, (into, local_from) in zip(self.steps, prepared, self._actions):
                 step.run(ctx, st)  # a copy step has received in place
                 if local_from is not None:
                     dst = work[into]
-                    div = n if st.final and op is ReduceOp.AVG else 1
+                    div = n if st.final and op is AVG else 1
                     # in place (local_from == WORK): the result may go through the scratch
                     device.reduce(dst, bufs[local_from][into], scratch[: dst.size], op, div, local_from == WORK)
         except BaseException:
@@ -361,14 +361,14 @@ class DirectPlan(_Prepared):
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
         scatter, gather = self._get(ctx) or self._make(ctx, work, src)
-        op, device = ctx.op or ReduceOp.SUM, ctx.device
+        op, device = ctx.op or SUM, ctx.device
         inc, order, mine = self._incoming, self._order, self._mine
         try:
             scatter.run(ctx, 0, "this rank's chunk")
             part = inc[order[0]]
             for k in order[1:]:
                 device.reduce(part, inc[k], part, op)
-            device.reduce(work[mine], src[mine], part, op, self.n if op is ReduceOp.AVG else 1, self.in_place)
+            device.reduce(work[mine], src[mine], part, op, self.n if op is AVG else 1, self.in_place)
             gather.run(ctx, 1, "a reduced chunk")
         except BaseException:
             self._failed(work, src)
@@ -429,7 +429,7 @@ class SharedDirectPlan:
             device.copy(box, src[at])
         shared.inputs(ctx)
         if self._out.size:
-            div = self.n if op is ReduceOp.AVG else 1
+            div = self.n if op is AVG else 1
             device.fold(self._out, [(0, self._out.size, self._others + [src[mine]])], op, div)
         shared.outputs(ctx)
         device.copy(work[mine], self._out)
@@ -446,38 +446,39 @@ class GatherFold:
     locally in the ring's order (:class:`Fold`), bitwise the ring's result, in N-1 steps' worth of
     data movement and one wait instead of 2(N-1) dependent steps.
 
-    ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send; one of
-    transports.shm.SharedBlocks (host, one node: a shared-memory window, two alternating slots),
+    ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send:
     transports.mpi.GatheredBlocks (host: a persistent MPI_Allgather) or a :class:`Plan` of the
-    ring's all-gather schedule (GPUs). ``sides``: per slot of the gather (two for shared memory,
-    whose ``gather.side`` says which the next run fills; one otherwise), ``(mine, blocks by ring
-    place)``: where this rank copies its buffer, and where the N blocks then lie. ``reused``: the
-    GPU gather's buffer (devices.Reused; None on the host), ordered after its last use.
-    ``algorithm`` and ``link`` (the kind's transports.Link): what the DEBUG log names.
+    ring's all-gather schedule (GPUs); :class:`SharedGatherFold` for the host's shared-memory
+    window. ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
+    this rank copies its buffer, and where the N blocks then lie. ``reused``: the GPU gather's
+    buffer (devices.Reused; None on the host), ordered after its last use. ``algorithm`` and
+    ``link`` (the kind's transports.Link): what the DEBUG log names.
     """
 
     def __init__(self, gather: Any, sides: Sequence[tuple[Any, Sequence[Any]]], bounds: Bounds, n: int,
                  reused: Any, algorithm: str, link: Any) -> None:
         self.gather, self.reused, self.algorithm, self.link = gather, reused, algorithm, link
         self._sides = [(mine, Fold(by_place, bounds, n)) for mine, by_place in sides]
-        self._alternate = len(self._sides) > 1
         self._n = n
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
         """All-reduce ``src`` into ``work`` (``acc``: as for :meth:`Fold.accumulate`); the bytes a ring would send."""
-        gather, device, reused, op = self.gather, ctx.device, self.reused, ctx.op
-        mine, fold = self._sides[gather.side] if self._alternate else self._sides[0]
+        gather, device, reused = self.gather, ctx.device, self.reused
+        mine, fold = self._sides[0]
         if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
             reused.after(device)
         device.copy(mine, src)
         sent = gather.run(ctx)
-        if acc is None:  # local data first, the partial result second, as a ring step
-            device.fold(work, fold.pieces, op, self._n if op is ReduceOp.AVG else 1)
-        else:
-            fold.accumulate(ctx, work, acc)
+        self._fold(ctx, fold, work, acc)
         if reused is not None:
             reused.done(device)
         return sent
+
+    def _fold(self, ctx: Context, fold: Fold, work: Any, acc: Any) -> None:
+        if acc is None:  # local data first, the partial result second, as a ring step
+            ctx.device.fold(work, fold.pieces, ctx.op, self._n if ctx.op is AVG else 1)
+        else:
+            fold.accumulate(ctx, work, acc)
 
     def free(self) -> None:
         self.gather.free()
@@ -485,9 +486,24 @@ class GatherFold:
             self.reused.free()
 
 
+class SharedGatherFold(GatherFold):
+    """A :class:`GatherFold` of host arrays in the shared-memory window (transports.shm.SharedBlocks):
+    two sides, the slots that alternate with the publications (``gather.side``: the next one);
+    nothing to order between calls. The same steps as GatherFold.run, with nothing in between:
+    a small all-reduce's cost is its few Python calls."""
+
+    def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
+        gather = self.gather
+        mine, fold = self._sides[gather.side]
+        mine[...] = src
+        sent = gather.run(ctx)
+        self._fold(ctx, fold, work, acc)
+        return sent
+
+
 class Fold:
     """Reduce N gathered blocks (``blocks[p]``: the whole buffer of the rank at ring place p) into
-    a result, chunk by chunk.
+    a result, chunk by chunk: ``pieces``, (lo, hi, the chunk's views of the blocks in their order).
 
     Each chunk c of ``bounds`` is combined in :func:`ringcomm.schedule.fold_order` (the order in
     which reduce-scatter combines it), so the result is bitwise the ring schedule's, on every rank.
@@ -499,6 +515,10 @@ class Fold:
         self.pieces = [
             (lo, hi, [blocks[j][lo:hi] for j in fold_order(n, c)]) for c, (lo, hi) in enumerate(bounds) if hi > lo
         ]
+        if len(self.pieces) == 1 and self.pieces[0][:2] == (0, sum(hi - lo for lo, hi in bounds)):
+            # one chunk holds every element (counts below 16 elements per rank): (None, None), so
+            # that work[lo:hi] is work whole, and the host fold writes into work without a view
+            self.pieces = [(None, None, self.pieces[0][2])]
 
     def accumulate(self, ctx: Context, work: Any, acc: Any) -> None:
         """Write the reduction into ``work`` (count elements), on ``ctx.device`` with ``ctx.op``,
@@ -507,7 +527,7 @@ class Fold:
         ``ctx.acc``. (Without it the device folds the pieces itself: ``device.fold``.)
         """
         op, device = ctx.op, ctx.device
-        last, last_div = self.n - 1, self.n if op is ReduceOp.AVG else 1
+        last, last_div = self.n - 1, self.n if op is AVG else 1
         for lo, hi, views in self.pieces:
             dst = work[lo:hi]
             part = acc[lo:hi]

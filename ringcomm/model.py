@@ -55,7 +55,7 @@ from .schedule import COLLECTIVES, chain_chunks
 
 #: ringcomm's defaults (ringcomm.communicator.DEFAULT_SLICE_BYTES / DEFAULT_SMALL_BYTES; not imported,
 #: since the communicator loads MPI): the broadcast/reduce piece size and the small all-reduce limit, bytes.
-SLICE_BYTES = 1 << 20
+SLICE_BYTES = 4 << 20
 SMALL_BYTES = 1 << 16
 
 #: Bytes of memory traffic per byte reduced: two inputs read, one output written.

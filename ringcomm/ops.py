@@ -31,6 +31,10 @@ class ReduceOp(str, enum.Enum):
         return self.value
 
 
+#: ReduceOp.SUM and ReduceOp.AVG as module names, for the per-call paths: an enum member looked up
+#: on its class costs about 75 ns in CPython 3.11, a module global a few
+SUM, AVG = ReduceOp.SUM, ReduceOp.AVG
+
 #: the numpy ufunc that combines two arrays for each op (AVG adds; the division comes last)
 UFUNCS = {
     ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
@@ -60,7 +64,7 @@ def check_dtype(dtype: np.dtype, op: ReduceOp | None = None) -> np.dtype:
         if dtype not in _SUPPORTED:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise TypeError(f"unsupported dtype {dtype}; accepted: {names}")
-    if op is ReduceOp.AVG and dtype in _INTS:
+    if op is AVG and dtype in _INTS:
         raise TypeError(f"op 'avg' on integer dtype {dtype} would silently floor; use 'sum' and divide yourself")
     return dtype
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import ringcomm
 from ringcomm import communicator
-from ringcomm.engine import GatherFold, SharedDirectPlan
+from ringcomm.engine import SharedDirectPlan, SharedGatherFold
 from ringcomm.ops import ReduceOp
 from ringcomm.transports import shm
 
@@ -54,7 +54,7 @@ def test_shared_all_reduces_are_bitwise_the_ring_and_right():
                 if count and dtype in (np.float32, np.float64, np.int32):
                     assert_matches(got, gather_all(mpi, x), op, what)
     kinds = {type(v) for v in shared._gathers.values()} | {type(p) for p in shared._plans.values()}
-    assert kinds == {GatherFold, SharedDirectPlan}, kinds
+    assert kinds == {SharedGatherFold, SharedDirectPlan}, kinds
     assert all(v.algorithm == "gather-fold (shared memory)" for v in shared._gathers.values())
     shared.close()
     ring.close()
@@ -107,8 +107,9 @@ def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
         assert "MismatchError" in seen, seen
         if isinstance(info.value, ringcomm.MismatchError):
             assert "in shared memory): the ranks did not make the same call" in str(info.value)
-            if call is cases[-1]:  # not the other rank's stale header in this place, described as a call
-                assert "in a call that does not publish in its" in str(info.value), info.value
+            if call is cases[-1]:  # each rank's header says which kind of call it is in
+                assert "(a small all-reduce, in slots)" in str(info.value), info.value
+                assert "(a larger all-reduce, in inboxes)" in str(info.value), info.value
         comm.close()  # an aborted communicator keeps its window (a late peer may still read it)
 
 

@@ -72,7 +72,7 @@ class HostDevice:
             return
         ufunc = UFUNCS[op]
         for lo, hi, views in pieces:
-            dst = work[lo:hi]
+            dst = work if lo is None else work[lo:hi]  # (None: the whole buffer, engine.Fold)
             ufunc(views[1], views[0], dst)
             if len(views) > 2:
                 for view in views[2:]:

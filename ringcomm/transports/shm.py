@@ -2,8 +2,8 @@
 
 When every rank shares one node (MPI's COMM_TYPE_SHARED split covers them all), the Communicator
 allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region of it holds a
-sequence word on a cache line of its own, two *slots* (a header of 32 bytes, then up to
-``small`` bytes), an *inbox* (a header, then up to ``direct`` bytes) and an *outbox* (a chunk:
+*line* of 64 bytes (its sequence word and two headers: nothing else shares the cache line), two
+*slots* of up to ``small`` bytes, an *inbox* of up to ``direct`` bytes and an *outbox* (a chunk:
 ``direct``/N bytes and a little). Two kinds of call use it, with no message and no request:
 
 - a small all-reduce (:class:`SharedBlocks`) copies its buffer into a slot, publishes, waits until
@@ -15,23 +15,25 @@ sequence word on a cache line of its own, two *slots* (a header of 32 bytes, the
   from their outboxes.
 
 Protocol (every rank makes the same calls, in the same order): a rank's *publications* are
-numbered 1, 2, ... (its sequence word holds the last). To publish, a rank writes what it publishes
-(a header: the call's tag, the call number, the count, the publication's number), then
-MPI_Win_sync (a memory barrier in MPI's shared-memory model), then its sequence word; then it
-waits until every other rank's word has reached the same number, MPI_Win_sync again, and, for a
-call's first publication, checks every header against its own before it reads any data. Whatever
-a rank reads after publication k it has read before it publishes k + 1. A rank rewrites a place
-only before a publication k' of at least k + 2, where k is the last publication after which that
-place was read (a small all-reduce's slot alternates with the publication's parity; an inbox or
-outbox serves again at the next larger all-reduce, two publications later at least); by then it
-has seen every rank publish k' - 1 >= k + 1, so all have finished reading it. No other handshake
-is needed, and a rank may be one publication ahead of another.
+numbered 1, 2, ... (its sequence word holds the last). To publish k, a rank writes its data, then
+header k & 1 of its line (what it publishes: the call's tag, the kind of call and the count in
+one word, the call number in the next), then MPI_Win_sync (a memory barrier in MPI's
+shared-memory model), then its sequence word = k; then it waits until every other rank's word
+has reached k, MPI_Win_sync again, and checks every rank's header k & 1 against its own before
+it reads any data. Whatever a rank reads after publication k it has read before it publishes
+k + 1. A rank rewrites a place (data or header) only before a publication k' of at least k + 2,
+where k is the last publication after which that place was read (a header and a small
+all-reduce's slot alternate with the publication's parity; an inbox or outbox serves again at
+the next larger all-reduce, two publications later at least); by then it has seen every rank
+publish k' - 1 >= k + 1, so all have finished reading it. So header k & 1 of a rank whose word
+is k or k + 1 is its header of publication k. No other handshake is needed, and a rank may be
+one publication ahead of another.
 
-Identity and failures: a header that differs (another collective, dtype, op, count, call, or a
-rank in the other kind of call) is a :class:`ringcomm.MismatchError` on every rank that sees it; a
-rank that never publishes is a :class:`ringcomm.TimeoutError` naming it, and while a wait lasts it
-watches for aborts and for ring messages of another call (``Communicator._watch``), as every wait
-does. After an error the window stays mapped until the process ends (a late peer may read it).
+Identity and failures: a header that differs (another collective, dtype, op, count, call, or the
+other kind of call) is a :class:`ringcomm.MismatchError` on every rank that sees it; a rank that
+never publishes is a :class:`ringcomm.TimeoutError` naming it, and while a wait lasts it watches
+for aborts and for ring messages of another call (``Communicator._watch``), as every wait does.
+After an error the window stays mapped until the process ends (a late peer may read it).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ from .. import tags
 from ..errors import MismatchError
 from .base import wait_until
 
-#: bytes of a rank's sequence word's line (the word alone on it: no false sharing with the data)
+#: bytes of a rank's line: int64 [sequence word, header 0 (2 words), header 1 (2 words), unused]
 LINE = 64
-#: bytes of a header: int64 [the call's tag (of call 0), the call number, the count, the publication]
-HEADER = 32
+#: the kinds of call, as headers carry them (bit 31 of a header's first word) and errors name them
+KINDS = ("a small all-reduce, in slots", "a larger all-reduce, in inboxes")
 
 
 def _lines(nbytes: int) -> int:
@@ -57,7 +59,7 @@ def _lines(nbytes: int) -> int:
 
 def region_bytes(n: int, small: int, direct: int) -> int:
     """The bytes of one rank's region for ``n`` ranks, slots of ``small`` and an inbox of ``direct`` bytes."""
-    return LINE + 2 * _lines(HEADER + small) + _lines(HEADER + direct) + _outbox(n, direct)
+    return LINE + 2 * _lines(small) + _lines(direct) + _outbox(n, direct)
 
 
 def _outbox(n: int, direct: int) -> int:
@@ -77,98 +79,98 @@ class SharedWindow:
     def __init__(self, mpi: MPI.Intracomm, small: int, direct: int, spins: int) -> None:
         n = mpi.size
         self.small, self.direct = small, direct
-        self._slot, self._inbox = _lines(HEADER + small), _lines(HEADER + direct)
+        self._slot, self._inbox = _lines(small), _lines(direct)
         self.win = MPI.Win.Allocate_shared(region_bytes(n, small, direct), 1, comm=mpi)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.regions = [np.frombuffer(self.win.Shared_query(rank)[0], np.uint8) for rank in range(n)]
         self.regions[mpi.rank][...] = 0  # every page touched now: too little shared memory fails here
         self.win.Sync()
-        #: every rank's sequence word (a memoryview of one int64: cheaper to read than numpy's)
-        seqs = [memoryview(region[:8].view(np.int64)) for region in self.regions]
+        #: every rank's line (memoryviews of 8 int64: cheaper to read and write than numpy's)
+        lines = [memoryview(region[:LINE].view(np.int64)) for region in self.regions]
         self.rank = mpi.rank
-        self._seq, self._others = seqs[mpi.rank], [(rank, seqs[rank]) for rank in range(n) if rank != mpi.rank]
+        self._lines, self._line = lines, lines[mpi.rank]
+        self._others = [(rank, lines[rank]) for rank in range(n) if rank != mpi.rank]
         self._sync = self.win.Sync
         #: the number of this rank's last publication
         self.published = 0
         #: how many times a wait reads a sequence word before it yields the processor (wait_until)
         self.spins = spins
 
-    def slot(self, rank: int, side: int, nbytes: int) -> tuple[memoryview, np.ndarray]:
-        """(the header, a memoryview of 4 int64, and the first ``nbytes`` of data) of ``rank``'s slot ``side``."""
-        return self._place(rank, LINE + side * self._slot, nbytes)
+    def slot(self, rank: int, side: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``rank``'s slot ``side``."""
+        at = LINE + side * self._slot
+        return self.regions[rank][at : at + nbytes]
 
-    def inbox(self, rank: int, nbytes: int) -> tuple[memoryview, np.ndarray]:
-        """(the header, the first ``nbytes`` of data) of ``rank``'s inbox."""
-        return self._place(rank, LINE + 2 * self._slot, nbytes)
+    def inbox(self, rank: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``rank``'s inbox."""
+        at = LINE + 2 * self._slot
+        return self.regions[rank][at : at + nbytes]
 
     def outbox(self, rank: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of ``rank``'s outbox."""
         at = LINE + 2 * self._slot + self._inbox
         return self.regions[rank][at : at + nbytes]
 
-    def _place(self, rank: int, at: int, nbytes: int) -> tuple[memoryview, np.ndarray]:
-        region = self.regions[rank]
-        return memoryview(region[at : at + HEADER].view(np.int64)), region[at + HEADER : at + HEADER + nbytes]
-
-    def publish(self, ctx: Any, step: int, what: str) -> None:
-        """Publish what this rank wrote (its next number), then wait (within the deadline) until
-        every rank has published as many times; ``what``: what the wait is for, in errors."""
+    def publish(self, ctx: Any, step: int, what: str, word: int) -> None:
+        """Publish what this rank wrote (its next number, with the header ``word``, ctx.call), wait
+        (within the deadline) until every rank has published as many times, and check their
+        headers (MismatchError); ``what``: what the wait is for, in errors."""
+        k = self.published + 1
+        line, at, call = self._line, 1 + 2 * (k & 1), ctx.call
+        line[at] = word
+        line[at + 1] = call
         self._sync()  # what was written is visible before the sequence word says so
-        k = self.published = self.published + 1
-        self._seq[0] = k
-        for rank, seq in self._others:
-            if seq[0] < k:
+        self.published = line[0] = k
+        for rank, other in self._others:
+            if other[0] < k:
                 spins = self.spins
-                while spins and seq[0] < k:
+                while spins and other[0] < k:
                     spins -= 1
-            if seq[0] < k:
+            if other[0] < k:
                 # a neighbour's ring message of this call or an earlier one: MismatchError (Communicator._watch)
                 ctx.expect = (ctx.identity() | tags.PLAN,)
-                wait_until(lambda: seq[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank, what)
+                wait_until(lambda: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank, what)
         self._sync()  # and read after it
+        for _, other in self._others:
+            if other[at] != word or other[at + 1] != call:
+                raise self._mismatch(ctx, step, at, what)
+
+    def _mismatch(self, ctx: Any, step: int, at: int, what: str) -> MismatchError:
+        layout, me = ctx.comm._layout, self.rank
+        said = [(line[at], line[at + 1]) for line in self._lines]  # (tag | kind << 31 | count << 32, call)
+
+        def call_of(word: int, call: int) -> str:
+            tag, kind, count = word & 0x7FFFFFFF, (word >> 31) & 1, word >> 32
+            return f"{layout.describe(layout.at_call(tag & ~7, call), call)}, count {count} ({KINDS[kind]})"
+
+        rows = [f"rank {rank} in {call_of(*header)}" for rank, header in enumerate(said) if header != said[me]]
+        return MismatchError(
+            f"{ctx.collective} call {ctx.call}: rank {me} is in {call_of(*said[me])}, but {'; '.join(rows)} "
+            f"(at step {step}, {what} in shared memory): the ranks did not make the same call"
+        )
 
     def free(self) -> None:
         """Free the window (collective and synchronizing: call once every rank is known to be here)."""
         self.win.Unlock_all()
         self.win.Free()
-        self.regions = self._others = []
+        self.regions = self._lines = self._others = []
 
 
 class _Headed:
-    """A call's first publication carries a header in every rank's ``place``; checked after it
-    (a header of an earlier publication there: that rank published elsewhere, in a call of the
-    other kind)."""
+    """A call of one ``kind`` (0: slots, 1: inboxes) of ``count`` elements: its header word, by op."""
 
-    place = ""
+    def __init__(self, window: SharedWindow, kind: int, count: int) -> None:
+        self.window, self.count = window, count
+        self._words: dict = {}  # by (op, accumulation)
+        self._kind = kind << 31 | count << 32
 
-    def _stamp(self, ctx: Any, header: memoryview) -> None:
-        tag = self._tags.get((ctx.op, ctx.wide))
-        if tag is None:
-            tag = self._tags[ctx.op, ctx.wide] = ctx.comm._layout.base(
-                ctx.collective, ctx.dtype, ctx.op, ctx.root, 0, ctx.wide) | tags.PLAN
-        header[0], header[1], header[2], header[3] = tag, ctx.call, self.count, self.window.published + 1
-
-    def _check(self, ctx: Any, headers: list, header: memoryview, what: str) -> None:
-        for other in headers:
-            if other != header:
-                raise self._mismatch(ctx, headers, what)
-
-    def _mismatch(self, ctx: Any, headers: list, what: str) -> MismatchError:
-        layout, me = ctx.comm._layout, self.window.rank
-        said = [tuple(header) for header in headers]  # tag, call, count, publication
-        mine = said[me]
-
-        def call_of(tag: int, call: int) -> str:
-            return layout.describe(layout.at_call(tag & ~7, call), call)
-
-        rows = [f"rank {rank} in {call_of(tag, call)}, count {count}" if publication == mine[3] else
-                f"rank {rank} in a call that does not publish in its {self.place} (a buffer of at most "
-                f"small_bytes goes to a slot, a larger one to the inbox)"
-                for rank, (tag, call, count, publication) in enumerate(said) if said[rank] != mine]
-        return MismatchError(
-            f"{ctx.collective} call {ctx.call}: rank {me} is in {call_of(mine[0], mine[1])}, count {mine[2]}, "
-            f"but {'; '.join(rows)} (at step 0, {what} in shared memory): the ranks did not make the same call"
-        )
+    def _word(self, ctx: Any) -> int:
+        """The header's first word: the call's tag (of call 0; it fits 31 bits), kind and count."""
+        word = self._words.get((ctx.op, ctx.wide))
+        if word is None:
+            tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, 0, ctx.wide) | tags.PLAN
+            word = self._words[ctx.op, ctx.wide] = tag | self._kind
+        return word
 
 
 class SharedBlocks(_Headed):
@@ -180,17 +182,12 @@ class SharedBlocks(_Headed):
     gather would send, (N-1)·count·itemsize.
     """
 
-    place = "slot"
-
     def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int) -> None:
+        super().__init__(window, 0, count)
         n, nbytes = comm.size, count * dtype.itemsize
-        self.window, self.count = window, count
-        sides = [[window.slot(rank, side, nbytes) for rank in range(n)] for side in (0, 1)]
-        self._headers = [[header for header, _ in side] for side in sides]
-        self.blocks = [[data.view(dtype) for _, data in side] for side in sides]
+        self.blocks = [[window.slot(rank, side, nbytes).view(dtype) for rank in range(n)] for side in (0, 1)]
         self.mine = [side[comm.rank] for side in self.blocks]
         self.sent = (n - 1) * nbytes
-        self._tags: dict = {}  # the header's tag by (op, accumulation)
 
     @property
     def side(self) -> int:
@@ -199,12 +196,7 @@ class SharedBlocks(_Headed):
     def run(self, ctx: Any) -> int:
         """Publish this rank's block (already in ``mine[side]``), wait until every rank has published
         its own (within the deadline), and check their headers; return the bytes a ring would send."""
-        window = self.window
-        headers = self._headers[(window.published + 1) & 1]
-        header = headers[window.rank]
-        self._stamp(ctx, header)
-        window.publish(ctx, 0, "whole buffer")
-        self._check(ctx, headers, header, "gathering every rank's whole buffer")
+        self.window.publish(ctx, 0, "whole buffer", self._word(ctx))
         return self.sent
 
     def free(self) -> None:
@@ -221,28 +213,20 @@ class SharedDirect(_Headed):
     which the caller writes into its own before :meth:`outputs` and reads from the others' after it.
     """
 
-    place = "inbox"
-
     def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, bounds: Any) -> None:
+        super().__init__(window, 1, count)
         n, nbytes = comm.size, count * dtype.itemsize
-        self.window, self.count = window, count
-        boxes = [window.inbox(rank, nbytes) for rank in range(n)]
-        self._headers = [header for header, _ in boxes]
-        self.inboxes = [data.view(dtype) for _, data in boxes]
+        self.inboxes = [window.inbox(rank, nbytes).view(dtype) for rank in range(n)]
         self.mine = self.inboxes[comm.rank]
         self.outboxes = [np.empty(0, dtype)] * n
         for place, (lo, hi) in enumerate(bounds):
             rank = comm.ring[place]
             self.outboxes[rank] = window.outbox(rank, (hi - lo) * dtype.itemsize).view(dtype)
-        self._tags: dict = {}
 
     def inputs(self, ctx: Any) -> None:
         """Publish this rank's buffer (in ``mine``), wait for every rank's, check the headers."""
-        header = self._headers[self.window.rank]
-        self._stamp(ctx, header)
-        self.window.publish(ctx, 0, "whole buffer")
-        self._check(ctx, self._headers, header, "publishing every rank's whole buffer")
+        self.window.publish(ctx, 0, "whole buffer", self._word(ctx))
 
     def outputs(self, ctx: Any) -> None:
-        """Publish this rank's reduced chunk (in its outbox), wait for every rank's."""
-        self.window.publish(ctx, 1, "reduced chunk")
+        """Publish this rank's reduced chunk (in its outbox), wait for every rank's, check the headers."""
+        self.window.publish(ctx, 1, "reduced chunk", self._word(ctx))
