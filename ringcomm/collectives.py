@@ -131,9 +131,13 @@ def all_reduce(
     n, r, count = comm.size, comm.position, src.size
     ctx = Context("all_reduce", comm, device, src.dtype, op)
     ctx.wide = wide
-    if 1 < n and src.nbytes <= comm.small_bytes:
+    shared = comm._shared if kind == "host" else None
+    if 1 < n and src.nbytes <= comm.small_bytes and (shared is None or src.nbytes <= shared.small):
         # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
-        # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result)
+        # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result).
+        # With a window, what its slots cannot hold goes to its inbox (Communicator._run) or the
+        # ring, never to an MPI gather: ranks whose small_bytes differ then meet in the window,
+        # whose headers tell a slot from an inbox (a MismatchError, not a timeout)
         small = comm._gather_plan(ctx, kind, count)
         acc = comm._partial_sums(kind, device, count) if wide else None
         comm._launch(ctx, count, -1, False, small.algorithm, small.link, n - 1, small.run, work, src, acc)

@@ -62,7 +62,7 @@ SHARED_TOTAL_BYTES = 32 << 20
 SHARED_SPINS = 50
 
 _CLOSED = "closed by Communicator.close()"
-#: bytes of an abort message: the origin rank (int64), then its error in UTF-8
+#: bytes of an abort message: the origin rank and the communicator's number (int64), then the error in UTF-8
 ABORT_BYTES = 256
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
 _OPS = (None,) + tuple(ReduceOp)
@@ -92,6 +92,7 @@ class Communicator:
     """
 
     _ready = False  # set once the communicator exists: waits then also watch for aborts and mismatches
+    _id = 0  # (set during creation: see __init__)
 
     def __init__(
         self, mpi_comm: MPI.Intracomm, *, timeout: float = DEFAULT_TIMEOUT, check: bool = False,
@@ -126,11 +127,18 @@ class Communicator:
         #: the ranks that share this rank's node (MPI's shared-memory split, or RINGCOMM_NODES)
         self.node_comm: MPI.Intracomm | None = None
         window = None  # the shared-memory window's (small, direct) bytes, when there is one
+        lowest = free = 0
         if labels is None:  # MPI's shared-memory split: a node is named by its lowest rank
             self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
             lowest = MPI.Group.Translate_ranks(self.node_comm.Get_group(), [0], self.mpi.Get_group())[0]
             free = _shm_free() if shared_memory else 0
-            table = self._allgather_ints(setup, [lowest, self.small_bytes, free], "finding every rank's node")
+        nonce = int.from_bytes(os.urandom(7), "little")
+        table = self._allgather_ints(setup, [lowest, self.small_bytes, free, nonce], "finding every rank's node")
+        #: this communicator's number (rank 0's random one), in its abort messages: MPI may give a later
+        #: communicator the freed one's context, and an abort sent to a rank that had closed would
+        #: otherwise abort the next one
+        self._id = int(table[0, 3])
+        if labels is None:
             labels = tuple(f"node{int(r)}" for r in table[:, 0])
             if int(table[:, 0].max()) == 0 and self.size > 1:  # every rank on node 0: one node, as MPI sees it
                 window = _window_bytes(self.size, int(table[:, 1].max()), int(table[:, 2].min()))
@@ -279,10 +287,11 @@ class Communicator:
         both completed: a rank that never closes is a TimeoutError, not a hang, and a rank that
         gives up on the first never posts the second, so a late rank whose first barrier completes
         against the abandoned one times out in the second instead of hanging in MPI_Win_free.
-        (Only a rank stalled for the whole timeout between its two barriers can still hang one.)
-        A rank that gives up tells its neighbours (an abort: their waits end at once). After an
-        abort, or that timeout, a late peer may still read the window: it is kept for the
-        process's life."""
+        A rank that gives up (a timeout, an interrupt) tells its neighbours (an abort: their waits
+        end at once). Not closed: a rank that stalls for the whole timeout between its two barriers,
+        or is interrupted in the second once the others have passed theirs, leaves them waiting in
+        MPI_Win_free. After an abort, or that timeout, a late peer may still read the window: it is
+        kept for the process's life."""
         if self._aborted:
             abandon(None, window)
             return
@@ -291,9 +300,10 @@ class Communicator:
                      "every rank's second barrier of close() (before they free shared memory)"):
             request = self.mpi.Ibarrier()
             try:
-                self._guarded(lambda: wait([request], ctx, None, self.left, what))
-            except BaseException:
+                self._guarded(lambda request=request, what=what: wait([request], ctx, None, self.left, what))
+            except BaseException as e:
                 abandon(request, window)
+                self._abort(e)  # (done already for a timeout)
                 raise
         window.free()
 
@@ -303,8 +313,10 @@ class Communicator:
     def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
         """close(); after an exception in the block, without waiting for the other ranks: the
         communicator is aborted first (the neighbours are told, and their waits, close()
-        included, raise AbortError), and the exception goes on."""
-        if error is not None and self._aborted != _CLOSED:
+        included, raise AbortError), and the exception goes on. A clean exit (sys.exit(0), a
+        generator closed) closes with the others as the block's end does."""
+        clean = isinstance(error, GeneratorExit) or (isinstance(error, SystemExit) and not error.code)
+        if error is not None and not clean and self._aborted != _CLOSED:
             self._abort(error)
         self.close()
 
@@ -372,9 +384,9 @@ class Communicator:
             return
         origin, reason = (error.origin, error.reason) if isinstance(error, AbortError) else (self.rank, self._aborted)
         note = np.zeros(ABORT_BYTES, np.uint8)
-        note[:8].view(np.int64)[0] = origin
-        text = reason.encode("utf-8", "replace")[: ABORT_BYTES - 8]
-        note[8 : 8 + len(text)] = np.frombuffer(text, np.uint8)
+        note[:16].view(np.int64)[:] = origin, self._id
+        text = reason.encode("utf-8", "replace")[: ABORT_BYTES - 16]
+        note[16 : 16 + len(text)] = np.frombuffer(text, np.uint8)
         for peer in {self.left, self.right}:
             try:
                 self._abort_sent.append((note, self.mpi.Isend(note, peer, tags.ABORT)))
@@ -393,11 +405,13 @@ class Communicator:
             return
         st, neighbours = self._probe, (self.left, self.right) if self.left != self.right else (self.left,)
         for nb in neighbours:
-            if self.mpi.Iprobe(nb, tags.ABORT, st):
+            while self.mpi.Iprobe(nb, tags.ABORT, st):
                 note = np.zeros(ABORT_BYTES, np.uint8)
                 self.mpi.Recv(note, nb, tags.ABORT)
-                origin = int(note[:8].view(np.int64)[0])
-                reason = bytes(note[8:]).rstrip(b"\0").decode("utf-8", "replace")
+                origin, of = (int(v) for v in note[:16].view(np.int64))
+                if of != self._id:  # sent to a communicator closed since, whose MPI context this one reuses
+                    continue
+                reason = bytes(note[16:]).rstrip(b"\0").decode("utf-8", "replace")
                 error = AbortError(ctx.collective, step, self.rank, peer, origin, reason)
                 self._abort(error)
                 raise error
@@ -522,7 +536,7 @@ class Communicator:
             n, ring = self.size, self.ring
             reused, made = None, GatherFold
             shared = self._shared
-            if kind == "host" and shared is not None and count * ctx.dtype.itemsize <= shared.small:
+            if kind == "host" and shared is not None:  # (within its slots: collectives.all_reduce)
                 gather = SharedBlocks(self, shared, ctx.dtype, count)
                 sides = [(mine, [blocks[rank] for rank in ring]) for mine, blocks in zip(gather.mine, gather.blocks)]
                 algorithm, made = "gather-fold (shared memory)", SharedGatherFold

@@ -4,7 +4,9 @@ drift apart in time; mismatches and missing peers; the window's size and its fre
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 
 import ml_dtypes
@@ -114,6 +116,46 @@ def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
+def test_an_abort_sent_to_a_closed_communicator_does_not_abort_the_next():
+    """Ranks that all raise MismatchError abort and tell each other, and close before reading those
+    notes; MPI gives the next communicator the freed one's context, so the notes reach it. They
+    name their communicator and are dropped (a late rank 0 makes the others' wait look for them)."""
+    mpi = MPI.COMM_WORLD
+    comm = make_comm(timeout=5)
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError)):
+        comm.all_reduce(np.ones(8, np.int32 if mpi.rank == 0 else np.float32))
+    comm.close()
+    mpi.Barrier()
+    for _ in range(2):
+        comm = make_comm(timeout=5)
+        if mpi.rank == 0:
+            time.sleep(0.2)
+        assert (comm.all_reduce(np.ones(10)) == mpi.size).all()
+        comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
+    """With a window, what its slots cannot hold goes to the inbox, never to an MPI gather: a
+    buffer that one rank gathers (small_bytes above it) and the other reduces directly is a
+    MismatchError (or both run the direct all-reduce and agree), not a timeout."""
+    mpi = MPI.COMM_WORLD
+    cases = (((65536, 0), 1000),  # slots against the inbox: MismatchError on both
+             ((2 << 20, 65536), 300_000))  # beyond the slots (1 MiB) on both: the inbox on both
+    for small, count in cases:
+        comm = make_comm(timeout=5, small_bytes=small[mpi.rank])
+        start = time.monotonic()
+        x = np.ones(count, np.float32)
+        if count * 4 <= comm.shared_memory()[0]:
+            with pytest.raises(ringcomm.MismatchError, match="a small all-reduce, in slots"):
+                comm.all_reduce(x)
+        else:
+            assert (comm.all_reduce(x) == mpi.size).all()
+        assert time.monotonic() - start < 2
+        comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
 def test_a_missing_peer_in_shared_memory_times_out_naming_it():
     mpi = MPI.COMM_WORLD
     late = mpi.size - 1
@@ -174,6 +216,18 @@ def test_an_error_in_a_with_block_goes_on_and_the_others_do_not_wait_for_it():
         assert info.value.collective == "close()"
     assert time.monotonic() - start < 10
     assert comm._aborted
+    deadline_barrier(mpi)
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_sys_exit_0_in_a_with_block_closes_with_the_others():
+    mpi = MPI.COMM_WORLD
+    with pytest.raises(SystemExit) if mpi.rank == 1 else contextlib.nullcontext():
+        with make_comm(timeout=30) as comm:
+            comm.all_reduce(np.ones(10))
+            if mpi.rank == 1:
+                sys.exit(0)
+    assert comm._aborted == communicator._CLOSED and comm._shared is None  # freed together, no abort
     deadline_barrier(mpi)
 
 

@@ -129,7 +129,8 @@ class SharedWindow:
             if other[0] < k:
                 # a neighbour's ring message of this call or an earlier one: MismatchError (Communicator._watch)
                 ctx.expect = (ctx.identity() | tags.PLAN,)
-                wait_until(lambda: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank, what)
+                wait_until(lambda other=other: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank,
+                           what)
         self._sync()  # and read after it
         for _, other in self._others:
             if other[at] != word or other[at + 1] != call:
@@ -160,7 +161,7 @@ class _Headed:
     """A call of one ``kind`` (0: slots, 1: inboxes) of ``count`` elements: its header word, by op."""
 
     def __init__(self, window: SharedWindow, kind: int, count: int) -> None:
-        self.window, self.count = window, count
+        self.window = window
         self._words: dict = {}  # by (op, accumulation)
         self._kind = kind << 31 | count << 32
 
