@@ -408,6 +408,7 @@ class SharedDirectPlan:
     """
 
     nbytes = 0
+    algorithm, steps = "direct (shared memory)", 2
 
     def __init__(self, ctx: Context, bounds: Bounds, shared: Any) -> None:
         comm = ctx.comm
@@ -435,6 +436,37 @@ class SharedDirectPlan:
         device.copy(work[mine], self._out)
         for at, chunk in self._copies:
             device.copy(work[at], chunk)
+        return self.sent
+
+    def free(self) -> None:
+        """Nothing of its own: the window is the Communicator's."""
+
+
+class SharedBroadcastPlan:
+    """A broadcast through shared memory (host, every rank on one node; transports.shm.SharedBroadcast):
+    the root copies its buffer into the window, every rank publishes, and the others copy it out
+    side by side: one or two waits instead of the chain's N + pieces - 2 steps. Bound to the
+    window (looked up by dtype, bounds and root); owns no memory (``nbytes`` 0). ``sent``: the
+    bytes the chain would send from this rank (the whole buffer, but at the chain's end)."""
+
+    nbytes = 0
+    algorithm, steps = "copy (shared memory)", 1
+
+    def __init__(self, ctx: Context, shared: Any, root: int) -> None:
+        comm = ctx.comm
+        self.shared, self.is_root = shared, comm.rank == root
+        last = (comm.position - comm.ring.index(root)) % comm.size == comm.size - 1
+        self.sent = 0 if last else shared.source.nbytes
+
+    def run(self, ctx: Context, work: Any, src: Any) -> int:
+        shared = self.shared
+        source = shared.source  # (this call's: taken before the publication)
+        if self.is_root:
+            ctx.device.copy(source, src)
+        shared.inputs(ctx)
+        if not self.is_root:
+            ctx.device.copy(work, source)
+        shared.outputs(ctx)
         return self.sent
 
     def free(self) -> None:

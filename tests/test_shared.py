@@ -88,10 +88,65 @@ def test_ranks_that_drift_apart_never_read_a_place_being_rewritten():
     comm.close()
 
 
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_shared_broadcasts_are_the_roots_buffer():
+    """Broadcasts in the window (a slot up to its size, the inbox above, up to the inbox's size):
+    every root, 5 dtypes, counts 0, 1, below N, not dividing N, both sides of the slots and the
+    inbox's size, checked against MPI's own broadcast, bitwise; the chain beyond the window."""
+    mpi = MPI.COMM_WORLD
+    n = mpi.size
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    comm = make_comm(small_bytes=1024)
+    small, direct = comm.shared_memory()
+    kinds, inbox = set(), False
+    for dtype in (np.float32, np.float16, np.dtype(ml_dtypes.bfloat16), np.float64, np.uint8):
+        size = np.dtype(dtype).itemsize
+        for count in sorted({0, 1, n - 1 or 1, 16 * n + 3, small // size, small // size + 1, direct // size,
+                             direct // size + 1}):
+            for root in range(n):
+                x = rng.integers(0, 100, count).astype(dtype)
+                want = mpi.bcast(x if mpi.rank == root else None, root)
+                comm.broadcast(x, root)
+                assert x.tobytes() == want.tobytes(), f"{dtype} count={count} root={root}"
+                plans = comm._plans.values()  # (the cache is emptied when full: looked at after each call)
+                kinds |= {type(p).__name__ for p in plans}
+                inbox |= any(type(p).__name__ == "SharedBroadcastPlan" and p.shared._twice for p in plans)
+    assert "SharedBroadcastPlan" in kinds and "Plan" in kinds, kinds  # the window, and the chain beyond it
+    assert inbox == (n > 2)  # at 2 ranks beyond the slots the chain runs
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[3, 4])
+def test_a_root_never_rewrites_its_inbox_while_a_rank_still_copies_it_out(monkeypatch):
+    """Broadcasts from one root back to back, with the other ranks slow to copy the data out of the
+    root's inbox (and all-reduces between them): each gets its own call's data. (With a single
+    publication the root would overwrite its inbox with the next call's data first.)"""
+    mpi = MPI.COMM_WORLD
+    comm = make_comm(small_bytes=0)
+    count = comm.shared_memory()[1] // 8  # the inbox, whole (3 or more ranks)
+    copy = comm._host.copy
+    slow = np.random.default_rng(mpi.rank + 1)
+
+    def late_copy(dst, src):
+        if mpi.rank != 0 and slow.random() < 0.5:
+            time.sleep(0.005)
+        copy(dst, src)
+
+    monkeypatch.setattr(comm._host, "copy", late_copy)
+    for call in range(12):
+        x = np.full(count, call if mpi.rank == 0 else -1, np.float64)
+        comm.broadcast(x, 0)
+        assert (x == call).all(), f"broadcast {call}: {np.unique(x)}"
+        if call % 4 == 3:
+            assert (comm.all_reduce(np.ones(count // 2)) == mpi.size).all()
+    comm.close()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
-    """The headers catch another dtype of the same size, another op, another count, and a rank in
-    the other kind of shared call (its buffer above small_bytes); every rank raises."""
+    """The headers catch another dtype of the same size, another op, another count, a rank in the
+    other kind of shared call (its buffer above small_bytes), a broadcast from another root, and a
+    broadcast against an all-reduce; every rank raises."""
     mpi = MPI.COMM_WORLD
     r = mpi.rank
     cases = (
@@ -99,6 +154,8 @@ def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
         (lambda c: c.all_reduce(np.ones(5000, np.float32), "max" if r == 0 else "sum")),
         (lambda c: c.all_reduce(np.ones(5000 if r == 0 else 5001, np.float32))),
         (lambda c: c.all_reduce(np.ones(100 if r == 0 else 5000, np.float32))),  # slots against the inbox
+        (lambda c: c.broadcast(np.ones(100, np.float32), 0 if r == 0 else 1)),  # another root
+        (lambda c: c.broadcast(np.ones(100, np.float32)) if r == 0 else c.all_reduce(np.ones(100, np.float32))),
     )
     for call in cases:
         comm = make_comm(small_bytes=1024)
@@ -109,9 +166,8 @@ def test_a_mismatch_in_shared_memory_is_an_error_on_every_rank():
         assert "MismatchError" in seen, seen
         if isinstance(info.value, ringcomm.MismatchError):
             assert "in shared memory): the ranks did not make the same call" in str(info.value)
-            if call is cases[-1]:  # each rank's header says which kind of call it is in
-                assert "(a small all-reduce, in slots)" in str(info.value), info.value
-                assert "(a larger all-reduce, in inboxes)" in str(info.value), info.value
+            if call is cases[3]:  # each rank's header says which kind of call it is in
+                assert ", in slots" in str(info.value) and ", in inboxes" in str(info.value), info.value
         comm.close()  # an aborted communicator keeps its window (a late peer may still read it)
 
 
@@ -147,7 +203,7 @@ def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
         start = time.monotonic()
         x = np.ones(count, np.float32)
         if count * 4 <= comm.shared_memory()[0]:
-            with pytest.raises(ringcomm.MismatchError, match="a small all-reduce, in slots"):
+            with pytest.raises(ringcomm.MismatchError, match=", in slots"):
                 comm.all_reduce(x)
         else:
             assert (comm.all_reduce(x) == mpi.size).all()

@@ -356,7 +356,10 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
                         "rank's inbox)" if direct else "")
-                     + "; bitwise the ring's result; above, and every other collective: ring (host buffers up to "
+                     + f"; bitwise the ring's result; broadcast up to {max(small, direct) if comm.size > 2 else small} B: "
+                     "copy (shared memory: "
+                     "the root's buffer in the window, copied out by the others)"
+                     + "; above, and every other collective: ring (host buffers up to "
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
     else:
         gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"

@@ -4,7 +4,7 @@ When every rank shares one node (MPI's COMM_TYPE_SHARED split covers them all), 
 allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region of it holds a
 *line* of 64 bytes (its sequence word and two headers: nothing else shares the cache line), two
 *slots* of up to ``small`` bytes, an *inbox* of up to ``direct`` bytes and an *outbox* (a chunk:
-``direct``/N bytes and a little). Two kinds of call use it, with no message and no request:
+``direct``/N bytes and a little). Three kinds of call use it, with no message and no request:
 
 - a small all-reduce (:class:`SharedBlocks`) copies its buffer into a slot, publishes, waits until
   every rank has published, and folds the N blocks where they lie (the others' slots read in
@@ -12,7 +12,10 @@ allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region o
 - a larger one (:class:`SharedDirect`, engine.SharedDirectPlan) copies its buffer (all chunks
   but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes
   into its outbox and publishes again; every rank then copies the other ranks' reduced chunks
-  from their outboxes.
+  from their outboxes;
+- a broadcast up to the inbox's size (:class:`SharedBroadcast`, engine.SharedBroadcastPlan): the
+  root copies its buffer into a slot (small) or its inbox, every rank publishes, and the others
+  copy it out (from the inbox, all publish again once done).
 
 Protocol (every rank makes the same calls, in the same order): a rank's *publications* are
 numbered 1, 2, ... (its sequence word holds the last). To publish k, a rank writes its data, then
@@ -23,8 +26,9 @@ has reached k, MPI_Win_sync again, and checks every rank's header k & 1 against 
 it reads any data. Whatever a rank reads after publication k it has read before it publishes
 k + 1. A rank rewrites a place (data or header) only before a publication k' of at least k + 2,
 where k is the last publication after which that place was read (a header and a small
-all-reduce's slot alternate with the publication's parity; an inbox or outbox serves again at
-the next larger all-reduce, two publications later at least); by then it has seen every rank
+all-reduce's or a small broadcast's slot alternate with the publication's parity; an inbox or
+outbox serves again at the next larger all-reduce or broadcast, two publications later at least,
+since each of those publishes twice); by then it has seen every rank
 publish k' - 1 >= k + 1, so all have finished reading it. So header k & 1 of a rank whose word
 is k or k + 1 is its header of publication k. No other handshake is needed, and a rank may be
 one publication ahead of another.
@@ -50,7 +54,7 @@ from .base import wait_until
 #: bytes of a rank's line: int64 [sequence word, header 0 (2 words), header 1 (2 words), unused]
 LINE = 64
 #: the kinds of call, as headers carry them (bit 31 of a header's first word) and errors name them
-KINDS = ("a small all-reduce, in slots", "a larger all-reduce, in inboxes")
+KINDS = ("in slots", "in inboxes")
 
 
 def _lines(nbytes: int) -> int:
@@ -142,7 +146,7 @@ class SharedWindow:
 
         def call_of(word: int, call: int) -> str:
             tag, kind, count = word & 0x7FFFFFFF, (word >> 31) & 1, word >> 32
-            return f"{layout.describe(layout.at_call(tag & ~7, call), call)}, count {count} ({KINDS[kind]})"
+            return f"{layout.describe(layout.at_call(tag & ~7, call), call)}, count {count}, {KINDS[kind]}"
 
         rows = [f"rank {rank} in {call_of(*header)}" for rank, header in enumerate(said) if header != said[me]]
         return MismatchError(
@@ -231,3 +235,35 @@ class SharedDirect(_Headed):
     def outputs(self, ctx: Any) -> None:
         """Publish this rank's reduced chunk (in its outbox), wait for every rank's, check the headers."""
         self.window.publish(ctx, 1, "reduced chunk", self._word(ctx))
+
+
+class SharedBroadcast(_Headed):
+    """A broadcast of ``count`` elements of ``dtype`` from ``root`` through a :class:`SharedWindow`
+    (engine.SharedBroadcastPlan). The root copies its buffer into :attr:`source` before
+    :meth:`inputs`; every rank publishes (the root its data, the others their headers alone), and
+    the others copy ``source`` out after it, then :meth:`outputs`. Up to the slots' size the source
+    is the root's slot of the publication's parity (one publication: the slot is next written two
+    publications later); above it, the root's inbox, and a second publication after the copies
+    (the root writes its inbox again only after every rank has published that it is done)."""
+
+    def __init__(self, window: SharedWindow, dtype: np.dtype, count: int, root: int) -> None:
+        nbytes = count * dtype.itemsize
+        slots = nbytes <= window.small
+        super().__init__(window, 0 if slots else 1, count)
+        places = [window.slot(root, side, nbytes) for side in (0, 1)] if slots else [window.inbox(root, nbytes)] * 2
+        self._sources = [place.view(dtype) for place in places]
+        self._twice = not slots
+
+    @property
+    def source(self) -> np.ndarray:
+        """Where the root's data is for the next call (taken before :meth:`inputs`)."""
+        return self._sources[(self.window.published + 1) & 1]
+
+    def inputs(self, ctx: Any) -> None:
+        """Publish (the root: its buffer, in ``source``), wait for every rank, check the headers."""
+        self.window.publish(ctx, 0, "root's buffer", self._word(ctx))
+
+    def outputs(self, ctx: Any) -> None:
+        """After the copies out of the root's inbox: publish that, wait for every rank (slots: nothing)."""
+        if self._twice:
+            self.window.publish(ctx, 1, "copy of root's buffer", self._word(ctx))
