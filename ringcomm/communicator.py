@@ -47,7 +47,7 @@ GATHER_LIMIT = 16
 #: the engine's loop runs and keeps no memory (measured at N = 4 on 2 cores: plans up to 8 MiB
 #: are 13-15 % faster; at 32 MiB the gain is within noise)
 PLAN_BYTES = 16 << 20
-#: host all-reduces on one node up to this size run through the shared-memory window
+#: host all-reduces (and broadcasts) on one node up to this size run through the shared-memory window
 #: (engine.SharedDirectPlan above small_bytes; the engine's plans above it). Each rank's region of
 #: the window holds two slots of min(small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct
 #: size (and its chunk): all ranks together at most SHARED_TOTAL_BYTES and a quarter of the free
@@ -227,6 +227,7 @@ class Communicator:
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
         (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
+        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``: _in_window);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 

@@ -450,11 +450,12 @@ class SharedBroadcastPlan:
     bytes the chain would send from this rank (the whole buffer, but at the chain's end)."""
 
     nbytes = 0
-    algorithm, steps = "copy (shared memory)", 1
+    algorithm = "copy (shared memory)"
 
     def __init__(self, ctx: Context, shared: Any, root: int) -> None:
         comm = ctx.comm
         self.shared, self.is_root = shared, comm.rank == root
+        self.steps = 2 if shared.twice else 1  # (the waits, for the DEBUG log)
         last = (comm.position - comm.ring.index(root)) % comm.size == comm.size - 1
         self.sent = 0 if last else shared.source.nbytes
 

@@ -110,7 +110,7 @@ def test_shared_broadcasts_are_the_roots_buffer():
                 assert x.tobytes() == want.tobytes(), f"{dtype} count={count} root={root}"
                 plans = comm._plans.values()  # (the cache is emptied when full: looked at after each call)
                 kinds |= {type(p).__name__ for p in plans}
-                inbox |= any(type(p).__name__ == "SharedBroadcastPlan" and p.shared._twice for p in plans)
+                inbox |= any(type(p).__name__ == "SharedBroadcastPlan" and p.shared.twice for p in plans)
     assert "SharedBroadcastPlan" in kinds and "Plan" in kinds, kinds  # the window, and the chain beyond it
     assert inbox == (n > 2)  # at 2 ranks beyond the slots the chain runs
     comm.close()

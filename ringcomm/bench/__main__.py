@@ -352,13 +352,14 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window
+        bcast = max(small, direct) if comm.size > 2 else small  # (Communicator._in_window)
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
                         "rank's inbox)" if direct else "")
-                     + f"; bitwise the ring's result; broadcast up to {max(small, direct) if comm.size > 2 else small} B: "
-                     "copy (shared memory: "
-                     "the root's buffer in the window, copied out by the others)"
+                     + "; bitwise the ring's result"
+                     + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
+                        "out by the others)" if bcast else "")
                      + "; above, and every other collective: ring (host buffers up to "
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
     else:

@@ -1,4 +1,4 @@
-"""Shared memory on one node: host all-reduces through an MPI shared-memory window.
+"""Shared memory on one node: host all-reduces and broadcasts through an MPI shared-memory window.
 
 When every rank shares one node (MPI's COMM_TYPE_SHARED split covers them all), the Communicator
 allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region of it holds a
@@ -252,7 +252,8 @@ class SharedBroadcast(_Headed):
         super().__init__(window, 0 if slots else 1, count)
         places = [window.slot(root, side, nbytes) for side in (0, 1)] if slots else [window.inbox(root, nbytes)] * 2
         self._sources = [place.view(dtype) for place in places]
-        self._twice = not slots
+        #: whether the copies out are published too (the inbox; not the slots)
+        self.twice = not slots
 
     @property
     def source(self) -> np.ndarray:
@@ -261,9 +262,9 @@ class SharedBroadcast(_Headed):
 
     def inputs(self, ctx: Any) -> None:
         """Publish (the root: its buffer, in ``source``), wait for every rank, check the headers."""
-        self.window.publish(ctx, 0, "root's buffer", self._word(ctx))
+        self.window.publish(ctx, 0, "part of the broadcast", self._word(ctx))
 
     def outputs(self, ctx: Any) -> None:
         """After the copies out of the root's inbox: publish that, wait for every rank (slots: nothing)."""
-        if self._twice:
-            self.window.publish(ctx, 1, "copy of root's buffer", self._word(ctx))
+        if self.twice:
+            self.window.publish(ctx, 1, "copy of the broadcast", self._word(ctx))
