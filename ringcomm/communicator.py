@@ -49,7 +49,7 @@ GATHER_LIMIT = 16
 PLAN_BYTES = 16 << 20
 #: host all-reduces (and broadcasts) on one node up to this size run through the shared-memory window
 #: (engine.SharedDirectPlan above small_bytes; the engine's plans above it). Each rank's region of
-#: the window holds two slots of min(small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct
+#: the window holds two slots of min(the largest small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct
 #: size (and its chunk): all ranks together at most SHARED_TOTAL_BYTES and a quarter of the free
 #: space of /dev/shm (which containers keep small, 64 MiB by default in Docker), the direct size
 #: shrunk (then dropped, then the slots too) to fit
@@ -227,7 +227,7 @@ class Communicator:
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
         (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
-        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``: _in_window);
+        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``: _window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
@@ -483,8 +483,9 @@ class Communicator:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
 
         On the host with a shared-memory window, all-reduces and broadcasts that fit it
-        (:meth:`_in_window`) run there, with no message. Else, on the host, buffers up to PLAN_BYTES run a cached :class:`ringcomm.engine.Plan` (found by
-        the collective, root, dtype, chunk bounds and the buffers' addresses); an all-reduce of 3
+        (:meth:`_window_limit`) run there, with no message. Else, on the host, buffers up to
+        PLAN_BYTES run a cached :class:`ringcomm.engine.Plan` (found by the collective, root,
+        dtype, chunk bounds and the buffers' addresses); an all-reduce of 3
         or more ranks on one node runs a :class:`ringcomm.engine.DirectPlan` instead (2 rounds of
         direct messages, bitwise the ring's result). With ``ctx.wide``
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
@@ -492,7 +493,7 @@ class Communicator:
         link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
-        elif kind == "host" and self._shared is not None and self._in_window(ctx.collective, work.nbytes):
+        elif kind == "host" and self._shared is not None and work.nbytes <= self._window_limit(ctx.collective):
             key = (ctx.collective, root, ctx.dtype, bounds, "shared")  # bound to the window, not to addresses
             plan = self._plans.get(key)
             if plan is None:
@@ -521,18 +522,21 @@ class Communicator:
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
 
-    def _in_window(self, collective: str, nbytes: int) -> bool:
-        """Whether a host call of ``nbytes`` runs in the shared-memory window (there is one): an
-        all-reduce up to its inbox (engine.SharedDirectPlan; smaller ones gather in its slots), a
-        broadcast up to its slots, and of 3 or more ranks up to its inbox (engine.SharedBroadcastPlan).
+    def _window_limit(self, collective: str) -> int:
+        """The most bytes a host ``collective`` runs with in the shared-memory window (there is
+        one; -1 for the collectives that never run there, not even empty): an all-reduce up to its
+        inbox (engine.SharedDirectPlan; smaller ones gather in its slots), a broadcast up to its
+        slots, and of 3 or more ranks up to its inbox (engine.SharedBroadcastPlan).
         (Measured on 2 cores, against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
         128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy in
         and the other's copy out follow each other where MPICH's one message is one copy; at
         N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side.)"""
         window = self._shared
         if collective == "all_reduce":
-            return nbytes <= window.direct
-        return collective == "broadcast" and (nbytes <= window.small or self.size > 2 and nbytes <= window.direct)
+            return window.direct
+        if collective == "broadcast":
+            return max(window.small, window.direct) if self.size > 2 else window.small
+        return -1
 
     def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
         """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;

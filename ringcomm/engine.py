@@ -521,13 +521,13 @@ class GatherFold:
 
 class SharedGatherFold(GatherFold):
     """A :class:`GatherFold` of host arrays in the shared-memory window (transports.shm.SharedBlocks):
-    two sides, the slots that alternate with the publications (``gather.side``: the next one);
+    two sides, the slots that alternate with the publications (``gather.window.side``: the next one);
     nothing to order between calls. The same steps as GatherFold.run, with nothing in between:
     a small all-reduce's cost is its few Python calls."""
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
         gather = self.gather
-        mine, fold = self._sides[gather.side]
+        mine, fold = self._sides[gather.window.side]
         mine[...] = src
         sent = gather.run(ctx)
         self._fold(ctx, fold, work, acc)

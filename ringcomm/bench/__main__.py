@@ -352,7 +352,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window
-        bcast = max(small, direct) if comm.size > 2 else small  # (Communicator._in_window)
+        bcast = comm._window_limit("broadcast")
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "

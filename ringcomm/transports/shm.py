@@ -100,6 +100,11 @@ class SharedWindow:
         #: how many times a wait reads a sequence word before it yields the processor (wait_until)
         self.spins = spins
 
+    @property
+    def side(self) -> int:
+        """The parity of the next publication: the slot (and header) it uses."""
+        return (self.published + 1) & 1
+
     def slot(self, rank: int, side: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of ``rank``'s slot ``side``."""
         at = LINE + side * self._slot
@@ -181,7 +186,7 @@ class _Headed:
 class SharedBlocks(_Headed):
     """A small all-reduce's gather of ``count`` elements of ``dtype`` through a :class:`SharedWindow`.
 
-    ``side``: the slot the next run fills (the parity of the next publication); ``mine[side]``:
+    ``window.side``: the slot the next run fills (the parity of the next publication); ``mine[side]``:
     this rank's block there, where the caller copies its data before :meth:`run`;
     ``blocks[side][i]``: rank i's block, read in place after the run. ``sent``: the bytes a ring
     gather would send, (N-1)·count·itemsize.
@@ -193,10 +198,6 @@ class SharedBlocks(_Headed):
         self.blocks = [[window.slot(rank, side, nbytes).view(dtype) for rank in range(n)] for side in (0, 1)]
         self.mine = [side[comm.rank] for side in self.blocks]
         self.sent = (n - 1) * nbytes
-
-    @property
-    def side(self) -> int:
-        return (self.window.published + 1) & 1
 
     def run(self, ctx: Any) -> int:
         """Publish this rank's block (already in ``mine[side]``), wait until every rank has published
@@ -258,7 +259,7 @@ class SharedBroadcast(_Headed):
     @property
     def source(self) -> np.ndarray:
         """Where the root's data is for the next call (taken before :meth:`inputs`)."""
-        return self._sources[(self.window.published + 1) & 1]
+        return self._sources[self.window.side]
 
     def inputs(self, ctx: Any) -> None:
         """Publish (the root: its buffer, in ``source``), wait for every rank, check the headers."""
