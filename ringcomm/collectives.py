@@ -166,11 +166,20 @@ def reduce_scatter(
     result = device.empty(hi - lo, src.dtype) if out is None else _output(out, kind, src.dtype, hi - lo, device)
     ctx = Context("reduce_scatter", comm, device, src.dtype, op)
     ctx.wide = wide
-    work = comm._scratch_array(kind, device, src.size, src.dtype)
     steps = schedule.reduce_scatter(comm.size, comm.position)  # place p ends with chunk p: its own shard
-    comm._run(ctx, kind, src.size, steps, comm._in_ring(bounds), work, src, result_chunks=[comm.position])
-    device.copy(result, work[lo:hi])
-    comm._scratch_done(kind, device)
+    chunks = comm._in_ring(bounds)
+    plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, chunks, -1)
+    if plan is not None:  # the window folds this rank's chunk straight into the result, unless out aliases x
+        into = result if relation(result, src) == "apart" else comm._scratch_array(kind, device, hi - lo, src.dtype)
+        comm._launch(ctx, src.size, -1, False, plan.algorithm, comm._transport(kind), plan.steps, plan.run, into, src)
+        if into is not result:
+            device.copy(result, into)
+            comm._scratch_done(kind, device)
+    else:
+        work = comm._scratch_array(kind, device, src.size, src.dtype)
+        comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position])
+        device.copy(result, work[lo:hi])
+        comm._scratch_done(kind, device)
     return out if out is not None else result
 
 
@@ -183,7 +192,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)
-    agreed = False
+    agreed, place = False, "apart"  # place: how shard lies to this rank's place in out
     if out is not None:
         work = _output(out, kind, src.dtype, None, device)
         count = work.size
@@ -194,7 +203,9 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
                 f"shard: has {src.size} elements, but rank {r}'s shard of out ({count} elements) is "
                 f"[{lo}, {hi}) = {hi - lo} elements (see Communicator.shard_bounds)"
             )
-        if relation(work, src) != "apart" and relation(work[lo:hi], src) != "same":
+        mine = work[lo:hi]
+        place = relation(mine, src)
+        if place != "same" and relation(work, src) != "apart":
             raise ValueError(f"shard overlaps out but is not out[{lo}:{hi}] (this rank's place in out)")
     else:
         # Shard sizes are only known to their owners: exchange them (this is the agreement check too).
@@ -204,8 +215,9 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         bounds = tuple((int(b - s), int(b)) for b, s in zip(stops, sizes))
         work = device.empty(int(stops[-1]), src.dtype)
         lo, hi = bounds[r]
-    if relation(work[lo:hi], src) != "same":
-        device.copy(work[lo:hi], src)
+        mine = work[lo:hi]
+    if place != "same":
+        device.copy(mine, src)
     steps = schedule.all_gather(n, comm.position)
     comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
     return out if out is not None else work

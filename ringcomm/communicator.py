@@ -12,14 +12,14 @@ from mpi4py import MPI
 from . import collectives, devices, schedule, tags, transports
 from .config import env, flag
 from .arrays import span
-from .engine import (Context, DirectPlan, GatherFold, Plan, SharedBroadcastPlan, SharedDirectPlan, SharedGatherFold,
-                     execute)
+from .engine import (Context, DirectPlan, GatherFold, Plan, SharedDirectPlan, SharedGatherFold, SharedPlacesPlan,
+                     execute, sent_bytes)
 from .errors import AbortError, MismatchError, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
 from .transports.base import abandon, wait
 from .transports.mpi import GatheredBlocks
-from .transports.shm import SharedBlocks, SharedBroadcast, SharedDirect, SharedWindow, region_bytes
+from .transports.shm import SharedBlocks, SharedDirect, SharedPlaces, SharedWindow, region_bytes
 
 log = logging.getLogger("ringcomm")
 
@@ -400,8 +400,10 @@ class Communicator:
 
         Raises AbortError when a neighbour aborted (after passing it on), and MismatchError when a
         neighbour sent a message that this call cannot receive: a tag not of ``ctx.expect`` (another
-        collective, dtype, op, root or channel) from this call or an earlier one. A message of a
-        later call is no evidence (a neighbour may be one call ahead); the wait goes on.
+        collective, dtype, op, root or channel; in the shared-memory window, any) from this call or
+        an earlier one, or when a rank is in the window for this call or an earlier one while this
+        rank waits outside it (SharedWindow.watch). A message of a later call is no evidence (a
+        neighbour may be one call ahead); the wait goes on.
         """
         if not self._ready or self.size == 1 or self._aborted == _CLOSED:
             return
@@ -417,6 +419,8 @@ class Communicator:
                 error = AbortError(ctx.collective, step, self.rank, peer, origin, reason)
                 self._abort(error)
                 raise error
+        if self._shared is not None and ctx.call:  # a rank in the window for this call, this one outside it
+            self._shared.watch(ctx, step, peer)
         if not ctx.expect:
             return
         layout = self._layout
@@ -482,27 +486,19 @@ class Communicator:
     ) -> None:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
 
-        On the host with a shared-memory window, all-reduces and broadcasts that fit it
-        (:meth:`_window_limit`) run there, with no message. Else, on the host, buffers up to
-        PLAN_BYTES run a cached :class:`ringcomm.engine.Plan` (found by the collective, root,
-        dtype, chunk bounds and the buffers' addresses); an all-reduce of 3
-        or more ranks on one node runs a :class:`ringcomm.engine.DirectPlan` instead (2 rounds of
-        direct messages, bitwise the ring's result). With ``ctx.wide``
+        On the host with a shared-memory window, all-reduces, broadcasts and all-gathers that fit
+        it run there, with no message (:meth:`_window_plan`; a reduce-scatter looks for its plan
+        first). Else, on the host, buffers up to PLAN_BYTES run a cached
+        :class:`ringcomm.engine.Plan` (found by the collective, root, dtype, chunk bounds and the
+        buffers' addresses); an all-reduce of 3 or more ranks on one node runs a
+        :class:`ringcomm.engine.DirectPlan` instead (2 rounds of direct messages, bitwise the
+        ring's result). With ``ctx.wide``
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
         (``ctx.acc``) for the call, and the engine's loop runs."""
         link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
-        elif kind == "host" and self._shared is not None and work.nbytes <= self._window_limit(ctx.collective):
-            key = (ctx.collective, root, ctx.dtype, bounds, "shared")  # bound to the window, not to addresses
-            plan = self._plans.get(key)
-            if plan is None:
-                window = self._shared
-                if ctx.collective == "all_reduce":
-                    made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count, bounds))
-                else:
-                    made = SharedBroadcastPlan(ctx, SharedBroadcast(window, ctx.dtype, count, root), root)
-                plan = self._cache(key, made)
+        elif (plan := self._window_plan(ctx, kind, count, steps, bounds, root)) is not None:
             self._launch(ctx, count, root, agreed, plan.algorithm, link, plan.steps, plan.run, work, src)
             return
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
@@ -522,21 +518,46 @@ class Communicator:
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
 
+    def _window_plan(self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, root: int) -> Any:
+        """The cached plan of a host call that fits the shared-memory window (:meth:`_window_limit`),
+        or None: engine.SharedDirectPlan for an all-reduce, else engine.SharedPlacesPlan (whose
+        reduce-scatter folds into ``work``, this rank's shard: collectives.reduce_scatter). Bound to
+        the window, not to addresses: found by the collective, root, dtype and ``bounds``."""
+        window = self._shared
+        if kind != "host" or window is None:
+            return None
+        key = (ctx.collective, root, ctx.dtype, bounds, "shared")
+        plan = self._plans.get(key)  # (made only for a call that fits: the window's sizes never change)
+        if plan is None:
+            place = _place(ctx.collective, bounds, count)
+            if place * ctx.dtype.itemsize > self._window_limit(ctx.collective):
+                return None
+            if ctx.collective == "all_reduce":
+                made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count, bounds))
+            else:
+                places = SharedPlaces(window, ctx.dtype, count, place)
+                made = SharedPlacesPlan(ctx, bounds, places, root, sent_bytes(steps, bounds, ctx.dtype.itemsize))
+            plan = self._cache(key, made)
+        return plan
+
     def _window_limit(self, collective: str) -> int:
-        """The most bytes a host ``collective`` runs with in the shared-memory window (there is
-        one; -1 for the collectives that never run there, not even empty): an all-reduce up to its
-        inbox (engine.SharedDirectPlan; smaller ones gather in its slots), a broadcast up to its
-        slots, and of 3 or more ranks up to its inbox (engine.SharedBroadcastPlan).
-        (Measured on 2 cores, against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
-        128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy in
-        and the other's copy out follow each other where MPICH's one message is one copy; at
+        """The most bytes a host ``collective`` writes into a rank's place in the shared-memory
+        window (:func:`_place`; there is one): an all-reduce up to its inbox
+        (engine.SharedDirectPlan; smaller ones gather in its slots), an all-gather's shard and a
+        reduce-scatter's buffer up to its inbox, a broadcast up to its slots, and of 3 or more
+        ranks up to its inbox (engine.SharedPlacesPlan); -1 for the collectives that never run
+        there, not even empty. (Measured on 2 cores against the ring at N = 2 from 128 KiB to
+        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers 0.7-1.45x against
+        0.57-0.85x; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
+        128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy
+        in and the other's copy out follow each other where MPICH's one message is one copy; at
         N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side.)"""
         window = self._shared
         if collective == "all_reduce":
             return window.direct
-        if collective == "broadcast":
-            return max(window.small, window.direct) if self.size > 2 else window.small
-        return -1
+        if collective in ("all_gather", "reduce_scatter") or collective == "broadcast" and self.size > 2:
+            return max(window.small, window.direct)
+        return window.small if collective == "broadcast" else -1
 
     def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
         """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;
@@ -632,6 +653,12 @@ class Communicator:
         except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
             self._abort(e)
             raise
+
+
+def _place(collective: str, bounds: Bounds, count: int) -> int:
+    """The elements a rank's place in the shared-memory window holds for a call of ``collective``
+    on ``count`` elements cut into ``bounds``: an all-gather's largest shard, else the whole buffer."""
+    return max(hi - lo for lo, hi in bounds) if collective == "all_gather" else count
 
 
 def _node_labels(raw: str, size: int) -> tuple[str, ...]:

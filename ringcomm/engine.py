@@ -263,7 +263,7 @@ class Plan(_Prepared):
         bound, written = bind(steps, len(bounds), work is src, False)
         self._bound = bound
         itemsize = ctx.dtype.itemsize
-        self.sent = sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * itemsize
+        self.sent = sent_bytes(steps, bounds, itemsize)
         #: per step: the slice of its incoming chunk, the buffer it reduces with (None: a copy step)
         self._actions = tuple(
             (None if st.recv is None else slice(*bounds[st.recv]), local_from if st.reduce and st.recv is not None else None)
@@ -386,6 +386,11 @@ class DirectPlan(_Prepared):
         return self._put(ctx, (scatter, gather))
 
 
+def sent_bytes(steps: Sequence[Step], bounds: Bounds, itemsize: int) -> int:
+    """The payload bytes ``steps`` send (a rank's steps of a schedule, chunks ``bounds``)."""
+    return sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * itemsize
+
+
 def _direct_sent(bounds: Bounds, p: int, n: int, itemsize: int) -> int:
     """The payload bytes a direct all-reduce (or the ring) sends from place ``p``: every other
     chunk once (reduce-scatter), its own reduced chunk N-1 times (all-gather)."""
@@ -442,32 +447,72 @@ class SharedDirectPlan:
         """Nothing of its own: the window is the Communicator's."""
 
 
-class SharedBroadcastPlan:
-    """A broadcast through shared memory (host, every rank on one node; transports.shm.SharedBroadcast):
-    the root copies its buffer into the window, every rank publishes, and the others copy it out
-    side by side: one or two waits instead of the chain's N + pieces - 2 steps. Bound to the
-    window (looked up by dtype, bounds and root); owns no memory (``nbytes`` 0). ``sent``: the
-    bytes the chain would send from this rank (the whole buffer, but at the chain's end)."""
+class SharedPlacesPlan:
+    """A broadcast, all-gather or reduce-scatter through shared memory (host, every rank on one
+    node; transports.shm.SharedPlaces). Every rank copies its part of ``src`` into its place in
+    the window (a broadcast: the root its buffer; an all-gather: its shard; a reduce-scatter:
+    every chunk but its own) and publishes; then it copies what ``work`` needs out of the others'
+    places (the root's buffer; the other shards) or folds its own chunk from them (a
+    reduce-scatter: in :func:`ringcomm.schedule.fold_order`, the ring's order, its own data last:
+    bitwise the ring's result; its ``work`` is this rank's shard, the call's result, not a buffer
+    of the whole count), and, when the places are inboxes, publishes that it is done. One
+    or two waits instead of the ring's N - 1 dependent steps (the chain's N + pieces - 2), no
+    message, and nothing of the call's arrays visible to the other ranks (in place costs as much
+    as out of place). Bound to the window, not to any array (looked up by collective, root, dtype
+    and bounds); owns no memory (``nbytes`` 0). ``sent``: the bytes the ring (or chain) would
+    send from this rank, :func:`sent_bytes`."""
 
     nbytes = 0
-    algorithm = "copy (shared memory)"
+    #: (what a rank publishes first, what second), for errors, by collective
+    _WHAT = {"broadcast": ("part of the broadcast", "copy of the broadcast"),
+             "all_gather": ("shard", "copy of the shards"),
+             "reduce_scatter": ("whole buffer", "fold of its chunk")}
 
-    def __init__(self, ctx: Context, shared: Any, root: int) -> None:
+    def __init__(self, ctx: Context, bounds: Bounds, shared: Any, root: int, sent: int) -> None:
         comm = ctx.comm
-        self.shared, self.is_root = shared, comm.rank == root
+        n, p, ring, me = comm.size, comm.position, comm.ring, comm.rank
+        self.shared, self.sent, self.n = shared, sent, n
         self.steps = 2 if shared.twice else 1  # (the waits, for the DEBUG log)
-        last = (comm.position - comm.ring.index(root)) % comm.size == comm.size - 1
-        self.sent = 0 if last else shared.source.nbytes
+        self._what = self._WHAT[ctx.collective]
+        chunks = [(q, slice(lo, hi)) for q, (lo, hi) in enumerate(bounds) if hi > lo]
+        folds = None  # a reduce-scatter's: the ranks whose copies of this rank's chunk fold, in order
+        if ctx.collective == "broadcast":  # (bounds: the chain's pieces of the buffer)
+            whole = slice(0, bounds[-1][1])
+            writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
+        elif ctx.collective == "all_gather":  # (a place holds one shard, from its start)
+            writes = [(at, me) for q, at in chunks if q == p]
+            reads = [(at, ring[q]) for q, at in chunks if q != p]
+        else:
+            writes, reads = [(at, me) for q, at in chunks if q != p], []
+            if bounds[p][1] > bounds[p][0]:
+                folds = [ring[q] for q in fold_order(n, p)[:-1]]
+        self.algorithm = "copy (shared memory)" if ctx.collective != "reduce_scatter" else "fold (shared memory)"
+        mine = slice(*bounds[p])
+        shard = ctx.collective == "all_gather"
+
+        def where(places: Any, at: slice, r: int) -> Any:  # where chunk ``at`` of rank r's part lies in its place
+            return places[r][: at.stop - at.start] if shard else places[r][at]
+
+        #: by side of the window: (copies in, copies out, None or the others' copies of this rank's chunk)
+        self._sides = [
+            ([(at, where(places, at, r)) for at, r in writes], [(at, where(places, at, r)) for at, r in reads],
+             None if folds is None else [places[r][mine] for r in folds])
+            for places in shared.sides
+        ]
+        self._mine = mine
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
-        shared = self.shared
-        source = shared.source  # (this call's: taken before the publication)
-        if self.is_root:
-            ctx.device.copy(source, src)
-        shared.inputs(ctx)
-        if not self.is_root:
-            ctx.device.copy(work, source)
-        shared.outputs(ctx)
+        shared, device = self.shared, ctx.device
+        writes, reads, fold = self._sides[shared.window.side]  # (this call's: taken before the publication)
+        for at, place in writes:
+            device.copy(place, src[at])
+        shared.inputs(ctx, self._what[0])
+        for at, place in reads:
+            device.copy(work[at], place)
+        if fold is not None:  # (a reduce-scatter's work: this rank's shard)
+            op = ctx.op
+            device.fold(work, [(None, None, fold + [src[self._mine]])], op, self.n if op is AVG else 1)
+        shared.outputs(ctx, self._what[1])
         return self.sent
 
     def free(self) -> None:

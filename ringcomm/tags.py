@@ -24,10 +24,11 @@ import functools
 
 from .ops import HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp
 
-#: what a message is (the low 3 bits of its tag)
-DATA, PLAN, HANDLES, READY, DONE, RELEASED, ABORT, END = range(8)
+#: what a message is (the low 3 bits of its tag); SHARED: no message, a call in the shared-memory
+#: window (transports.shm: what its waits expect, so that any message of the call is a mismatch)
+DATA, PLAN, HANDLES, READY, DONE, RELEASED, ABORT, SHARED = range(8)
 CHANNEL_NAMES = ("data", "plan (persistent requests)", "ipc handles", "ipc ready", "ipc done", "ipc released", "abort",
-                 "end")
+                 "in shared memory")
 #: a plan's persistent requests carry the call number modulo this (engine.Plan)
 PLAN_CALLS = 4
 #: the collectives a tag can name ("close": the CUDA IPC transport's closing handshake)

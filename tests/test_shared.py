@@ -110,9 +110,110 @@ def test_shared_broadcasts_are_the_roots_buffer():
                 assert x.tobytes() == want.tobytes(), f"{dtype} count={count} root={root}"
                 plans = comm._plans.values()  # (the cache is emptied when full: looked at after each call)
                 kinds |= {type(p).__name__ for p in plans}
-                inbox |= any(type(p).__name__ == "SharedBroadcastPlan" and p.shared.twice for p in plans)
-    assert "SharedBroadcastPlan" in kinds and "Plan" in kinds, kinds  # the window, and the chain beyond it
+                inbox |= any(type(p).__name__ == "SharedPlacesPlan" and p.shared.twice for p in plans)
+    assert "SharedPlacesPlan" in kinds and "Plan" in kinds, kinds  # the window, and the chain beyond it
     assert inbox == (n > 2)  # at 2 ranks beyond the slots the chain runs
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4, 5])
+def test_shared_reduce_scatters_and_all_gathers_are_bitwise_the_ring_and_right(monkeypatch):
+    """Reduce-scatters (every op, 5 dtypes; out apart from x, and out this rank's shard of x) and
+    all-gathers (out given, in place, and out=None with shards of any size) in the window, a slot
+    up to its size and the inbox above: counts 0, 1, below N, not dividing N, both sides of the
+    slots' and of the inbox's size. The ring's bits on
+    every rank, MPI's reduce-scatter and all-gather within float64's reference (bitwise for the
+    gathers), and the ring beyond the window. (What is wrong is collected and agreed on at the
+    end: a rank that failed at once would leave the others in this test's MPI calls.)"""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    monkeypatch.setattr(communicator, "SHARED_BYTES", 256 << 10)  # a small inbox: buffers beyond it stay small
+    comm, ring = make_comm(small_bytes=1024), make_comm(shared_memory=False)
+    small, direct = comm.shared_memory()
+    kinds = set()  # which kinds of place the calls of one count used
+    wrong: list = []
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            wrong.append(f"rank {r}: {what}")
+    for dtype in (np.float32, np.float16, np.dtype(ml_dtypes.bfloat16), np.float64, np.int32):
+        size = np.dtype(dtype).itemsize
+        beyond = n * (direct // size) + 1  # a shard beyond the inbox: the ring
+        for count in sorted({0, 1, n - 1 or 1, 16 * n + 3, small // size, small // size + 1, n * (small // size) + 1,
+                             direct // size, direct // size + 1, beyond}):
+            bounds = comm.shard_bounds(count)
+            lo, hi = bounds[r]
+            for op in ReduceOp:
+                if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":
+                    continue
+                x = random_input(rng, count, np.dtype(dtype), op)
+                got, want = comm.reduce_scatter(x, op), ring.reduce_scatter(x, op)
+                what = f"reduce_scatter count {count} {np.dtype(dtype)} {op}"
+                check(got.tobytes() == want.tobytes(), what)
+                y = x.copy()
+                check(comm.reduce_scatter(y, op, out=y[lo:hi]).tobytes() == want.tobytes(), what + ", out aliasing x")
+                if count and dtype in (np.float32, np.float64, np.int32):
+                    try:
+                        assert_matches(got, [a[lo:hi] for a in gather_all(mpi, x)], op, what)
+                    except AssertionError as e:
+                        check(False, str(e))
+            shard = random_input(rng, hi - lo, np.dtype(dtype), ReduceOp.SUM)
+            want = np.concatenate(gather_all(mpi, shard))
+            out = comm.all_gather(shard, out=np.empty(count, dtype))
+            check(out.tobytes() == want.tobytes() == ring.all_gather(shard).tobytes(), f"all_gather {count} {dtype}")
+            whole = np.empty(count, dtype)
+            whole[lo:hi] = shard
+            check(comm.all_gather(whole[lo:hi], out=whole).tobytes() == want.tobytes(), f"in place {count} {dtype}")
+            mine = random_input(rng, int(rng.integers(0, count + 1)), np.dtype(dtype), ReduceOp.SUM)  # any sizes
+            check(comm.all_gather(mine).tobytes() == np.concatenate(gather_all(mpi, mine)).tobytes(), f"out=None {count}")
+            windowed = {key[0]: plan.shared.twice for key, plan in comm._plans.items()
+                        if key[2:] == (np.dtype(dtype), tuple(bounds), "shared")}  # (the cache is emptied when full)
+            if count == beyond:
+                check(windowed == {}, f"beyond the inbox: {windowed}")
+            elif count:
+                kinds.add(tuple(sorted(windowed.items())))
+    assert sum(mpi.allgather(wrong), []) == []
+    assert {(("all_gather", False), ("reduce_scatter", False)),  # in slots, in inboxes
+            (("all_gather", False), ("reduce_scatter", True)), (("all_gather", True), ("reduce_scatter", True))} <= kinds
+    comm.close()
+    ring.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeypatch):
+    """Reduce-scatters, all-gathers and broadcasts back to back, in slots and in inboxes, with every
+    rank but rank 0 slow, at random, to read the others' places (its copies out and folds), and no
+    other handshake between them: every call gets its own call's data."""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = make_comm(small_bytes=4096)
+    inbox = comm.shared_memory()[1] // 8 - 8  # float64 elements: a whole buffer just within the inbox
+    host, slow = comm._host, np.random.default_rng(r + 1)
+
+    def late(method):
+        def call(*args, **kw):
+            if r != 0 and slow.random() < 0.3:
+                time.sleep(0.002)
+            return method(*args, **kw)
+        return call
+
+    monkeypatch.setattr(host, "copy", late(host.copy))
+    monkeypatch.setattr(host, "fold", late(host.fold))
+    plan = np.random.default_rng([shared_seed(mpi), 3])  # the same calls on every rank
+    for call in range(60):
+        count = int(plan.choice([100, inbox]))  # slots, inboxes
+        x = np.full(count, call * n + r, np.float64)
+        lo, hi = comm.shard_bounds(count)[r]
+        kind = int(plan.integers(3))
+        if kind == 0:
+            assert (comm.reduce_scatter(x) == sum(call * n + q for q in range(n))).all(), f"reduce_scatter {call}"
+        elif kind == 1:
+            got = comm.all_gather(x[lo:hi], out=np.empty(count))
+            assert all((got[a:b] == call * n + q).all() for q, (a, b) in enumerate(comm.shard_bounds(count))), call
+        else:
+            comm.broadcast(x, call % n)
+            assert (x == call * n + call % n).all(), f"broadcast {call}"
     comm.close()
 
 
@@ -209,6 +310,53 @@ def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
             assert (comm.all_reduce(x) == mpi.size).all()
         assert time.monotonic() - start < 2
         comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatch():
+    """Counts that put the same call on both sides of a window size (the inbox's; a broadcast at 2
+    ranks, the slots'), and an all-reduce in the window against a reduce on the chain: a rank
+    outside sees the other's header in the window (the only sign when the ranks outside wait for
+    a message that nobody sends: a broadcast whose root is in the window), one inside a message of
+    its call; all raise at once (a MismatchError, or the AbortError it sends), not after the timeout. (A chain's
+    rank whose sends complete at once may return. See README, "What only check=True catches".)"""
+    mpi = MPI.COMM_WORLD
+    r, n = mpi.rank, mpi.size
+    def across(c, size, outside=0):  # a count just within the window, on every rank but ``outside`` beyond it
+        return np.ones(size // 4 + (64 if r == outside else 0), np.float32)
+
+    def gather_in_place(c, out):
+        lo, hi = c.shard_bounds(out.size)[r]
+        return c.all_gather(out[lo:hi], out=out)
+
+    cases = (
+        ("all_reduce", lambda c, d, s: c.all_reduce(across(c, d))),
+        ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s), 0)),
+        ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s, outside=1), 0)),  # (nothing is sent)
+        ("reduce_scatter", lambda c, d, s: c.reduce_scatter(across(c, d))),
+        ("all_gather", lambda c, d, s: gather_in_place(c, across(c, n * d))),
+        ("reduce", lambda c, d, s: c.reduce(np.ones(100, np.float32)) if r else c.all_reduce(np.ones(100, np.float32))),
+    )
+    for name, call in cases:
+        comm = make_comm(timeout=10, small_bytes=1024)
+        small, direct = comm.shared_memory()
+        start = time.monotonic()
+        try:
+            call(comm, direct, small)
+            raised = None
+        except ringcomm.RingcommError as e:  # (a timeout too: every rank then fails below, none waits)
+            raised = type(e).__name__
+        took = time.monotonic() - start
+        seen = mpi.allgather(raised)
+        assert "MismatchError" in seen and "TimeoutError" not in seen, (name, seen)
+        # (ranks of a chain whose sends completed at once may return: the root of a broadcast, the
+        # senders of a reduce, which receive nothing or what they expected)
+        assert all(s or (rank == 0) == (name == "broadcast") and name in ("broadcast", "reduce")
+                   for rank, s in enumerate(seen)), (name, seen)
+        assert max(mpi.allgather(took)) < 5, (name, took)
+        with contextlib.suppress(ringcomm.RingcommError):
+            comm.close()  # (a chain's first rank learns of the abort here)
+        mpi.Barrier()
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

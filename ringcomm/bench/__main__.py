@@ -352,7 +352,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window
-        bcast = comm._window_limit("broadcast")
+        bcast, places = comm._window_limit("broadcast"), comm._window_limit("reduce_scatter")
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
@@ -360,7 +360,10 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + "; bitwise the ring's result"
                      + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
                         "out by the others)" if bcast else "")
-                     + "; above, and every other collective: ring (host buffers up to "
+                     + (f"; all_gather up to {places} B a shard: copy (shared memory); reduce_scatter up to {places} B: "
+                        "fold (shared memory: each rank folds its shard from every rank's buffer in the window)"
+                        if places else "")
+                     + "; above, and reduce: ring (host buffers up to "
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
     else:
         gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"

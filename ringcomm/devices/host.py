@@ -73,10 +73,10 @@ class HostDevice:
         ufunc = UFUNCS[op]
         for lo, hi, views in pieces:
             dst = work if lo is None else work[lo:hi]  # (None: the whole buffer, engine.Fold)
-            ufunc(views[1], views[0], dst)
+            ufunc(views[1], views[0], out=dst)
             if len(views) > 2:
                 for view in views[2:]:
-                    ufunc(view, dst, dst)
+                    ufunc(view, dst, out=dst)
             if div != 1:
                 np.divide(dst, div, dst)
 

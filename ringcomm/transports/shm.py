@@ -1,4 +1,4 @@
-"""Shared memory on one node: host all-reduces and broadcasts through an MPI shared-memory window.
+"""Shared memory on one node: host collectives through an MPI shared-memory window.
 
 When every rank shares one node (MPI's COMM_TYPE_SHARED split covers them all), the Communicator
 allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region of it holds a
@@ -13,9 +13,10 @@ allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region o
   but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes
   into its outbox and publishes again; every rank then copies the other ranks' reduced chunks
   from their outboxes;
-- a broadcast up to the inbox's size (:class:`SharedBroadcast`, engine.SharedBroadcastPlan): the
-  root copies its buffer into a slot (small) or its inbox, every rank publishes, and the others
-  copy it out (from the inbox, all publish again once done).
+- a broadcast, an all-gather or a reduce-scatter up to the inbox's size (:class:`SharedPlaces`,
+  engine.SharedBroadcastPlan and SharedPlacesPlan): every rank (a broadcast: the root) copies
+  its part into a slot (small) or its inbox, every rank publishes, and every rank reads what it
+  needs of the others' (copies or folds; from the inboxes, all publish again once done).
 
 Protocol (every rank makes the same calls, in the same order): a rank's *publications* are
 numbered 1, 2, ... (its sequence word holds the last). To publish k, a rank writes its data, then
@@ -25,10 +26,10 @@ shared-memory model), then its sequence word = k; then it waits until every othe
 has reached k, MPI_Win_sync again, and checks every rank's header k & 1 against its own before
 it reads any data. Whatever a rank reads after publication k it has read before it publishes
 k + 1. A rank rewrites a place (data or header) only before a publication k' of at least k + 2,
-where k is the last publication after which that place was read (a header and a small
-all-reduce's or a small broadcast's slot alternate with the publication's parity; an inbox or
-outbox serves again at the next larger all-reduce or broadcast, two publications later at least,
-since each of those publishes twice); by then it has seen every rank
+where k is the last publication after which that place was read (a header and a slot alternate
+with the publication's parity, and a call that writes a slot publishes once; an inbox or outbox
+serves again at the next call that uses an inbox, two publications later at least, since each
+of those publishes twice); by then it has seen every rank
 publish k' - 1 >= k + 1, so all have finished reading it. So header k & 1 of a rank whose word
 is k or k + 1 is its header of publication k. No other handshake is needed, and a rank may be
 one publication ahead of another.
@@ -97,6 +98,7 @@ class SharedWindow:
         self._sync = self.win.Sync
         #: the number of this rank's last publication
         self.published = 0
+        self._waiting = False  # in a publication's wait (watch(): another rank may be ahead then)
         #: how many times a wait reads a sequence word before it yields the processor (wait_until)
         self.spins = spins
 
@@ -136,10 +138,14 @@ class SharedWindow:
                 while spins and other[0] < k:
                     spins -= 1
             if other[0] < k:
-                # a neighbour's ring message of this call or an earlier one: MismatchError (Communicator._watch)
-                ctx.expect = (ctx.identity() | tags.PLAN,)
+                # no message belongs to a call in the window: a neighbour's message of this call or an
+                # earlier one is a MismatchError (Communicator._watch); a rank may pass this publication
+                # while this one still waits in it (watch() then looks for no rank ahead)
+                ctx.expect = (ctx.identity() | tags.SHARED,)
+                self._waiting = True
                 wait_until(lambda other=other: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank,
                            what)
+                self._waiting = False
         self._sync()  # and read after it
         for _, other in self._others:
             if other[at] != word or other[at + 1] != call:
@@ -148,22 +154,46 @@ class SharedWindow:
     def _mismatch(self, ctx: Any, step: int, at: int, what: str) -> MismatchError:
         layout, me = ctx.comm._layout, self.rank
         said = [(line[at], line[at + 1]) for line in self._lines]  # (tag | kind << 31 | count << 32, call)
-
-        def call_of(word: int, call: int) -> str:
-            tag, kind, count = word & 0x7FFFFFFF, (word >> 31) & 1, word >> 32
-            return f"{layout.describe(layout.at_call(tag & ~7, call), call)}, count {count}, {KINDS[kind]}"
-
-        rows = [f"rank {rank} in {call_of(*header)}" for rank, header in enumerate(said) if header != said[me]]
+        rows = [f"rank {rank} in {_call_of(layout, *header)}" for rank, header in enumerate(said) if header != said[me]]
         return MismatchError(
-            f"{ctx.collective} call {ctx.call}: rank {me} is in {call_of(*said[me])}, but {'; '.join(rows)} "
+            f"{ctx.collective} call {ctx.call}: rank {me} is in {_call_of(layout, *said[me])}, but {'; '.join(rows)} "
             f"(at step {step}, {what} in shared memory): the ranks did not make the same call"
         )
+
+    def watch(self, ctx: Any, step: int | None, peer: int) -> None:
+        """While this rank waits outside the window (Communicator._watch): a rank one publication
+        ahead of it, whose header names this call or an earlier one, is in the window where this
+        rank is not (its counts put the call on the other side of a window size, say): a
+        MismatchError. (The header of a rank's last publication k stays until its publication
+        k + 2, which needs this rank's k + 1. In a publication's own wait a rank may be ahead:
+        once every rank has published, one may go on while this one has not looked yet.)"""
+        if self._waiting:
+            return
+        k, layout = self.published, ctx.comm._layout
+        for rank, line in self._others:
+            seq = line[0]
+            if seq > k:
+                at = 1 + 2 * (seq & 1)
+                word, call = line[at], line[at + 1]
+                if call <= ctx.call:
+                    at_step = "during set-up" if step is None else f"at step {step}"
+                    raise MismatchError(
+                        f"{ctx.collective} call {ctx.call}: rank {rank} is in {_call_of(layout, word, call)}, but "
+                        f"rank {self.rank} is in {ctx.collective} call {ctx.call} outside shared memory "
+                        f"({at_step}, waiting for rank {peer}): the ranks did not make the same call"
+                    )
 
     def free(self) -> None:
         """Free the window (collective and synchronizing: call once every rank is known to be here)."""
         self.win.Unlock_all()
         self.win.Free()
         self.regions = self._lines = self._others = []
+
+
+def _call_of(layout: Any, word: int, call: int) -> str:
+    """A header (``word``: tag | kind << 31 | count << 32, and the call number) in words."""
+    tag, kind, count = word & 0x7FFFFFFF, (word >> 31) & 1, word >> 32
+    return f"{layout.describe(layout.at_call(tag & ~7 | tags.SHARED, call), call)}, count {count}, {KINDS[kind]}"
 
 
 class _Headed:
@@ -178,7 +208,7 @@ class _Headed:
         """The header's first word: the call's tag (of call 0; it fits 31 bits), kind and count."""
         word = self._words.get((ctx.op, ctx.wide))
         if word is None:
-            tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, 0, ctx.wide) | tags.PLAN
+            tag = ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, 0, ctx.wide) | tags.SHARED
             word = self._words[ctx.op, ctx.wide] = tag | self._kind
         return word
 
@@ -238,34 +268,38 @@ class SharedDirect(_Headed):
         self.window.publish(ctx, 1, "reduced chunk", self._word(ctx))
 
 
-class SharedBroadcast(_Headed):
-    """A broadcast of ``count`` elements of ``dtype`` from ``root`` through a :class:`SharedWindow`
-    (engine.SharedBroadcastPlan). The root copies its buffer into :attr:`source` before
-    :meth:`inputs`; every rank publishes (the root its data, the others their headers alone), and
-    the others copy ``source`` out after it, then :meth:`outputs`. Up to the slots' size the source
-    is the root's slot of the publication's parity (one publication: the slot is next written two
-    publications later); above it, the root's inbox, and a second publication after the copies
-    (the root writes its inbox again only after every rank has published that it is done)."""
+class SharedPlaces(_Headed):
+    """A call in which every rank has a *place* of ``each`` elements of ``dtype`` in the window
+    (the header's count: ``count``, the call's): the owner writes its place before
+    :meth:`inputs`, the others read it between :meth:`inputs` and :meth:`outputs`. Up to the
+    slots' size a place is the owner's slot of the publication's parity (one publication: the
+    slot is next written two publications later); above it, the owner's inbox, and a second
+    publication after the reads (an owner writes its inbox again only after every rank has
+    published that it is done). Broadcasts read the root's place (engine.SharedBroadcastPlan),
+    all-gathers every rank's shard and reduce-scatters every rank's buffer (engine.SharedPlacesPlan)."""
 
-    def __init__(self, window: SharedWindow, dtype: np.dtype, count: int, root: int) -> None:
-        nbytes = count * dtype.itemsize
+    def __init__(self, window: SharedWindow, dtype: np.dtype, count: int, each: int) -> None:
+        nbytes = each * dtype.itemsize
         slots = nbytes <= window.small
         super().__init__(window, 0 if slots else 1, count)
-        places = [window.slot(root, side, nbytes) for side in (0, 1)] if slots else [window.inbox(root, nbytes)] * 2
-        self._sources = [place.view(dtype) for place in places]
-        #: whether the copies out are published too (the inbox; not the slots)
+        n = len(window.regions)
+        if slots:
+            self.sides = [[window.slot(rank, side, nbytes).view(dtype) for rank in range(n)] for side in (0, 1)]
+        else:
+            self.sides = [[window.inbox(rank, nbytes).view(dtype) for rank in range(n)]] * 2
+        #: whether the reads are published too (the inbox; not the slots)
         self.twice = not slots
 
     @property
-    def source(self) -> np.ndarray:
-        """Where the root's data is for the next call (taken before :meth:`inputs`)."""
-        return self._sources[self.window.side]
+    def places(self) -> list:
+        """Every rank's place (by MPI rank) for the next call (taken before :meth:`inputs`)."""
+        return self.sides[self.window.side]
 
-    def inputs(self, ctx: Any) -> None:
-        """Publish (the root: its buffer, in ``source``), wait for every rank, check the headers."""
-        self.window.publish(ctx, 0, "part of the broadcast", self._word(ctx))
+    def inputs(self, ctx: Any, what: str) -> None:
+        """Publish this rank's place (``what`` it holds, for errors), wait for every rank's, check the headers."""
+        self.window.publish(ctx, 0, what, self._word(ctx))
 
-    def outputs(self, ctx: Any) -> None:
-        """After the copies out of the root's inbox: publish that, wait for every rank (slots: nothing)."""
+    def outputs(self, ctx: Any, what: str) -> None:
+        """After the reads of the others' inboxes: publish that (``what`` was read), wait for every rank (slots: nothing)."""
         if self.twice:
-            self.window.publish(ctx, 1, "copy of the broadcast", self._word(ctx))
+            self.window.publish(ctx, 1, what, self._word(ctx))
