@@ -87,8 +87,8 @@ class Communicator:
     chunk is cut into (env ``RINGCOMM_SLICE_BYTES``). ``small_bytes``: all-reduces of at most this
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
     (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off). ``shared_memory``: when MPI puts every rank on
-    one node, host all-reduces up to a few MiB meet in an MPI shared-memory window instead of MPI
-    messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
+    one node, host collectives (but reduce) up to a few MiB meet in an MPI shared-memory window
+    instead of MPI messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
     it off for all). Creating a Communicator is collective.
     """
 
