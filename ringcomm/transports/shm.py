@@ -14,7 +14,7 @@ allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region o
   into its outbox and publishes again; every rank then copies the other ranks' reduced chunks
   from their outboxes;
 - a broadcast, an all-gather or a reduce-scatter up to the inbox's size (:class:`SharedPlaces`,
-  engine.SharedBroadcastPlan and SharedPlacesPlan): every rank (a broadcast: the root) copies
+  engine.SharedPlacesPlan): every rank (a broadcast: the root) copies
   its part into a slot (small) or its inbox, every rank publishes, and every rank reads what it
   needs of the others' (copies or folds; from the inboxes, all publish again once done).
 
@@ -275,8 +275,9 @@ class SharedPlaces(_Headed):
     slots' size a place is the owner's slot of the publication's parity (one publication: the
     slot is next written two publications later); above it, the owner's inbox, and a second
     publication after the reads (an owner writes its inbox again only after every rank has
-    published that it is done). Broadcasts read the root's place (engine.SharedBroadcastPlan),
-    all-gathers every rank's shard and reduce-scatters every rank's buffer (engine.SharedPlacesPlan)."""
+    published that it is done). ``sides[window.side][rank]``: rank's place for the next call.
+    Broadcasts read the root's place, all-gathers every rank's shard and reduce-scatters every
+    rank's buffer (engine.SharedPlacesPlan)."""
 
     def __init__(self, window: SharedWindow, dtype: np.dtype, count: int, each: int) -> None:
         nbytes = each * dtype.itemsize
@@ -289,11 +290,6 @@ class SharedPlaces(_Headed):
             self.sides = [[window.inbox(rank, nbytes).view(dtype) for rank in range(n)]] * 2
         #: whether the reads are published too (the inbox; not the slots)
         self.twice = not slots
-
-    @property
-    def places(self) -> list:
-        """Every rank's place (by MPI rank) for the next call (taken before :meth:`inputs`)."""
-        return self.sides[self.window.side]
 
     def inputs(self, ctx: Any, what: str) -> None:
         """Publish this rank's place (``what`` it holds, for errors), wait for every rank's, check the headers."""
