@@ -255,23 +255,29 @@ def reduce(
     rel = "same" if o is None else relation(o, src)
     if rel == "overlap":
         raise ValueError("out partly overlaps x; pass out=None (in place at the root) or a separate array")
-    if not is_root:
-        work = comm._scratch_array(kind, device, src.size, src.dtype)
-    elif rel == "same":
+    if is_root and rel == "same":
         writable(src, "x (reduce writes the result into x at the root when out is None)")
-        work = src
-    else:
-        work = o
     nchunks = schedule.chain_chunks(n, src.size, src.itemsize, comm.slice_bytes)
     ctx = Context("reduce", comm, device, src.dtype, op)
     ctx.wide = wide
     steps = schedule.reduce(n, comm.position, comm.ring.index(root), nchunks)
-    result = range(nchunks) if is_root else ()
-    comm._run(
-        ctx, kind, src.size, steps, schedule.partition(src.size, nchunks), work, src, result_chunks=result, root=root
-    )
+    pieces = schedule.partition(src.size, nchunks)
+    plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, pieces, root)
+    if plan is not None:  # the root folds the others' buffers and its own (last) straight into its result
+        into, own = (None, src) if not is_root else (o, src) if rel == "apart" else (src, None)
+        if own is None:  # in place: its own buffer is read after the result is first written: fold a copy
+            own = comm._scratch_array(kind, device, src.size, src.dtype)
+            device.copy(own, src)  # (before the publication, beside the others' copies in)
+        comm._launch(ctx, src.size, root, False, plan.algorithm, comm._transport(kind), plan.steps, plan.run, into, own)
+        if own is not src:
+            comm._scratch_done(kind, device)
+    else:
+        work = comm._scratch_array(kind, device, src.size, src.dtype) if not is_root else src if rel == "same" else o
+        comm._run(ctx, kind, src.size, steps, pieces, work, src, result_chunks=range(nchunks) if is_root else (),
+                  root=root)
+        if not is_root:
+            comm._scratch_done(kind, device)
     if not is_root:
-        comm._scratch_done(kind, device)
         return None
     return x if out is None else out
 

@@ -87,7 +87,7 @@ class Communicator:
     chunk is cut into (env ``RINGCOMM_SLICE_BYTES``). ``small_bytes``: all-reduces of at most this
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
     (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off). ``shared_memory``: when MPI puts every rank on
-    one node, host collectives (but reduce) up to a few MiB meet in an MPI shared-memory window
+    one node, host collectives up to a few MiB meet in an MPI shared-memory window
     instead of MPI messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
     it off for all). Creating a Communicator is collective.
     """
@@ -227,7 +227,8 @@ class Communicator:
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
         (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
-        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``: _window_limit);
+        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``), the other
+        collectives up to ``direct`` (_window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
@@ -544,20 +545,23 @@ class Communicator:
         """The most bytes a host ``collective`` writes into a rank's place in the shared-memory
         window (:func:`_place`; there is one): an all-reduce up to its inbox
         (engine.SharedDirectPlan; smaller ones gather in its slots), an all-gather's shard and a
-        reduce-scatter's buffer up to its inbox, a broadcast up to its slots, and of 3 or more
-        ranks up to its inbox (engine.SharedPlacesPlan); -1 for the collectives that never run
-        there, not even empty. (Measured on 2 cores against the ring at N = 2 from 128 KiB to
+        reduce-scatter's or a reduce's buffer up to its inbox, a broadcast up to its slots, and of
+        3 or more ranks up to its inbox (engine.SharedPlacesPlan). (Measured on 2 cores against
+        the ring at N = 2 from 128 KiB to
         2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers 0.7-1.45x against
         0.57-0.85x; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
         128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy
         in and the other's copy out follow each other where MPICH's one message is one copy; at
-        N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side.)"""
+        N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce
+        against the chain: 2-3x faster up to 32 KiB at N = 2 and 4, 1.3-2x from 32 KiB to the inbox
+        at N = 2 and 3, at N = 4 from 32 KiB to 2 MiB, and even at 4 MiB, where the root's fold
+        of four buffers on one core meets the chain's folds spread over the ranks.)"""
         window = self._shared
         if collective == "all_reduce":
             return window.direct
-        if collective in ("all_gather", "reduce_scatter") or collective == "broadcast" and self.size > 2:
+        if collective in ("all_gather", "reduce_scatter", "reduce") or collective == "broadcast" and self.size > 2:
             return max(window.small, window.direct)
-        return window.small if collective == "broadcast" else -1
+        return window.small
 
     def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
         """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;

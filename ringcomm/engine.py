@@ -448,14 +448,16 @@ class SharedDirectPlan:
 
 
 class SharedPlacesPlan:
-    """A broadcast, all-gather or reduce-scatter through shared memory (host, every rank on one
-    node; transports.shm.SharedPlaces). Every rank copies its part of ``src`` into its place in
-    the window (a broadcast: the root its buffer; an all-gather: its shard; a reduce-scatter:
-    every chunk but its own) and publishes; then it copies what ``work`` needs out of the others'
-    places (the root's buffer; the other shards) or folds its own chunk from them (a
-    reduce-scatter: in :func:`ringcomm.schedule.fold_order`, the ring's order, its own data last:
-    bitwise the ring's result; its ``work`` is this rank's shard, the call's result, not a buffer
-    of the whole count), and, when the places are inboxes, publishes that it is done. One
+    """A broadcast, all-gather, reduce-scatter or reduce through shared memory (host, every rank on
+    one node; transports.shm.SharedPlaces). Every rank copies its part of ``src`` into its place
+    in the window (a broadcast: the root its buffer; an all-gather: its shard; a reduce-scatter:
+    every chunk but its own; a reduce: every rank but the root its buffer) and publishes; then it
+    copies what ``work`` needs out of the others' places (the root's buffer; the other shards) or
+    folds its own chunk from them (a reduce-scatter: in :func:`ringcomm.schedule.fold_order`, the
+    ring's order, its own data last: bitwise the ring's result; its ``work`` is this rank's shard,
+    the call's result, not a buffer of the whole count; a reduce: the root folds the whole buffers
+    in the chain's order, its own last, bitwise the chain's result, and the others' ``work`` is
+    unused), and, when the places are inboxes, publishes that it is done. One
     or two waits instead of the ring's N - 1 dependent steps (the chain's N + pieces - 2), no
     message, and nothing of the call's arrays visible to the other ranks (in place costs as much
     as out of place). Bound to the window, not to any array (looked up by collective, root, dtype
@@ -466,7 +468,7 @@ class SharedPlacesPlan:
     #: (what a rank publishes first, what second), for errors, by collective
     _WHAT = {"broadcast": ("part of the broadcast", "copy of the broadcast"),
              "all_gather": ("shard", "copy of the shards"),
-             "reduce_scatter": ("whole buffer", "fold of its chunk")}
+             "reduce_scatter": ("whole buffer", "fold of its chunk"), "reduce": ("whole buffer", "fold of the buffers")}
 
     def __init__(self, ctx: Context, bounds: Bounds, shared: Any, root: int, sent: int) -> None:
         comm = ctx.comm
@@ -475,10 +477,16 @@ class SharedPlacesPlan:
         self.steps = 2 if shared.twice else 1  # (the waits, for the DEBUG log)
         self._what = self._WHAT[ctx.collective]
         chunks = [(q, slice(lo, hi)) for q, (lo, hi) in enumerate(bounds) if hi > lo]
-        folds = None  # a reduce-scatter's: the ranks whose copies of this rank's chunk fold, in order
-        if ctx.collective == "broadcast":  # (bounds: the chain's pieces of the buffer)
+        folds = None  # a reduce-scatter's (a reduce root's): the ranks whose copies of its chunk (the buffer) fold, in order
+        mine = slice(*bounds[p])  # (what this rank folds: its chunk; a reduce's root: the whole buffer)
+        if ctx.collective in ("broadcast", "reduce"):  # (bounds: the chain's pieces of the buffer)
             whole = slice(0, bounds[-1][1])
-            writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
+            if ctx.collective == "reduce":  # the others' buffers fold at the root in the chain's order
+                writes, reads, mine = [] if me == root else [(whole, me)], [], whole
+                if me == root and whole.stop:
+                    folds = [ring[q] for q in fold_order(n, p)[:-1]]
+            else:
+                writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
         elif ctx.collective == "all_gather":  # (a place holds one shard, from its start)
             writes = [(at, me) for q, at in chunks if q == p]
             reads = [(at, ring[q]) for q, at in chunks if q != p]
@@ -486,8 +494,7 @@ class SharedPlacesPlan:
             writes, reads = [(at, me) for q, at in chunks if q != p], []
             if bounds[p][1] > bounds[p][0]:
                 folds = [ring[q] for q in fold_order(n, p)[:-1]]
-        self.algorithm = "copy (shared memory)" if ctx.collective != "reduce_scatter" else "fold (shared memory)"
-        mine = slice(*bounds[p])
+        self.algorithm = "fold (shared memory)" if ctx.collective in ("reduce_scatter", "reduce") else "copy (shared memory)"
         shard = ctx.collective == "all_gather"
 
         def where(places: Any, at: slice, r: int) -> Any:  # where chunk ``at`` of rank r's part lies in its place
@@ -509,7 +516,7 @@ class SharedPlacesPlan:
         shared.inputs(ctx, self._what[0])
         for at, place in reads:
             device.copy(work[at], place)
-        if fold is not None:  # (a reduce-scatter's work: this rank's shard)
+        if fold is not None:  # (a reduce-scatter's work: this rank's shard; a reduce's: the root's result)
             op = ctx.op
             device.fold(work, [(None, None, fold + [src[self._mine]])], op, self.n if op is AVG else 1)
         shared.outputs(ctx, self._what[1])

@@ -130,8 +130,8 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     assert json.loads(wide.read_text())["settings"]["accumulate"] == "float32"
     # the header names the algorithm that runs at each size (the small all-reduce's gather-fold, the
     # shared-memory window's, the ring)
-    assert "# Algorithm: all_reduce up to 65536 B: gather-fold" in text and "reduce_scatter up to" in text
-    assert "above, and reduce: ring" in text
+    assert "# Algorithm: all_reduce up to 65536 B: gather-fold" in text and "reduce_scatter and reduce up to" in text
+    assert "above: ring, and chain for broadcast and reduce" in text
     assert json.loads(path.read_text())["environment"]["small_bytes"] == 65536
     assert all(t.status == "OK" and t.wrong == 0 for t in parse_tables(acc))
     tables = parse_tables(text)

@@ -117,13 +117,14 @@ def test_shared_broadcasts_are_the_roots_buffer():
 
 
 @pytest.mark.parallel(nprocs=[2, 3, 4, 5])
-def test_shared_reduce_scatters_and_all_gathers_are_bitwise_the_ring_and_right(monkeypatch):
-    """Reduce-scatters (every op, 5 dtypes; out apart from x, and out this rank's shard of x) and
-    all-gathers (out given, in place, and out=None with shards of any size) in the window, a slot
-    up to its size and the inbox above: counts 0, 1, below N, not dividing N, both sides of the
-    slots' and of the inbox's size. The ring's bits on
-    every rank, MPI's reduce-scatter and all-gather within float64's reference (bitwise for the
-    gathers), and the ring beyond the window. (What is wrong is collected and agreed on at the
+def test_shared_reduce_scatters_reduces_and_all_gathers_are_bitwise_the_ring_and_right(monkeypatch):
+    """Reduce-scatters (every op, 5 dtypes; out apart from x, and out this rank's shard of x),
+    reduces (every op and dtype, roots in turn by count; out apart, and in place) and all-gathers (out
+    given, in place, and out=None with shards of any size) in the window, a slot up to its size
+    and the inbox above: counts 0, 1, below N, not dividing N, both sides of the slots' and of the
+    inbox's size. The ring's (the chain's) bits on every rank, MPI's reduce-scatter, reduce and
+    all-gather within float64's reference (bitwise for the gathers), and the ring (chain) beyond
+    the window. (What is wrong is collected and agreed on at the
     end: a rank that failed at once would leave the others in this test's MPI calls.)"""
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
@@ -144,6 +145,7 @@ def test_shared_reduce_scatters_and_all_gathers_are_bitwise_the_ring_and_right(m
                              direct // size, direct // size + 1, beyond}):
             bounds = comm.shard_bounds(count)
             lo, hi = bounds[r]
+            root = count % n  # (one reduce plan per count in the cache)
             for op in ReduceOp:
                 if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":
                     continue
@@ -153,9 +155,20 @@ def test_shared_reduce_scatters_and_all_gathers_are_bitwise_the_ring_and_right(m
                 check(got.tobytes() == want.tobytes(), what)
                 y = x.copy()
                 check(comm.reduce_scatter(y, op, out=y[lo:hi]).tobytes() == want.tobytes(), what + ", out aliasing x")
+                total, chain = (c.reduce(x, op, root, out=np.empty_like(x)) for c in (comm, ring))
+                y = x.copy()
+                mine = comm.reduce(y, op, root)  # (in place)
+                what_r = f"reduce count {count} {np.dtype(dtype)} {op} root {root}"
+                if r == root:
+                    check(total.tobytes() == chain.tobytes() == mine.tobytes(), what_r)
+                else:
+                    check(total is None and mine is None and y.tobytes() == x.tobytes(), what_r + ", not the root")
                 if count and dtype in (np.float32, np.float64, np.int32):
+                    every = gather_all(mpi, x)
                     try:
-                        assert_matches(got, [a[lo:hi] for a in gather_all(mpi, x)], op, what)
+                        assert_matches(got, [a[lo:hi] for a in every], op, what)
+                        if r == root:
+                            assert_matches(total, every, op, what_r)
                     except AssertionError as e:
                         check(False, str(e))
             shard = random_input(rng, hi - lo, np.dtype(dtype), ReduceOp.SUM)
@@ -167,22 +180,23 @@ def test_shared_reduce_scatters_and_all_gathers_are_bitwise_the_ring_and_right(m
             check(comm.all_gather(whole[lo:hi], out=whole).tobytes() == want.tobytes(), f"in place {count} {dtype}")
             mine = random_input(rng, int(rng.integers(0, count + 1)), np.dtype(dtype), ReduceOp.SUM)  # any sizes
             check(comm.all_gather(mine).tobytes() == np.concatenate(gather_all(mpi, mine)).tobytes(), f"out=None {count}")
-            windowed = {key[0]: plan.shared.twice for key, plan in comm._plans.items()
-                        if key[2:] == (np.dtype(dtype), tuple(bounds), "shared")}  # (the cache is emptied when full)
+            windowed = {key[0]: plan.shared.twice for key, plan in comm._plans.items()  # (emptied when full)
+                        if key[2] == np.dtype(dtype) and key[3][-1][1] == count and key[-1] == "shared"}
             if count == beyond:
                 check(windowed == {}, f"beyond the inbox: {windowed}")
             elif count:
                 kinds.add(tuple(sorted(windowed.items())))
     assert sum(mpi.allgather(wrong), []) == []
-    assert {(("all_gather", False), ("reduce_scatter", False)),  # in slots, in inboxes
-            (("all_gather", False), ("reduce_scatter", True)), (("all_gather", True), ("reduce_scatter", True))} <= kinds
+    slots, inboxes = (False,) * 3, (True,) * 3
+    assert {tuple(zip(("all_gather", "reduce", "reduce_scatter"), twice))  # in slots, in inboxes
+            for twice in (slots, (False, True, True), inboxes)} <= kinds, kinds
     comm.close()
     ring.close()
 
 
 @pytest.mark.parallel(nprocs=[2, 3, 4])
 def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeypatch):
-    """Reduce-scatters, all-gathers and broadcasts back to back, in slots and in inboxes, with every
+    """Reduce-scatters, all-gathers, broadcasts and reduces back to back, in slots and in inboxes, with every
     rank but rank 0 slow, at random, to read the others' places (its copies out and folds), and no
     other handshake between them: every call gets its own call's data."""
     mpi = MPI.COMM_WORLD
@@ -205,15 +219,18 @@ def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeyp
         count = int(plan.choice([100, inbox]))  # slots, inboxes
         x = np.full(count, call * n + r, np.float64)
         lo, hi = comm.shard_bounds(count)[r]
-        kind = int(plan.integers(3))
+        kind = int(plan.integers(4))
         if kind == 0:
             assert (comm.reduce_scatter(x) == sum(call * n + q for q in range(n))).all(), f"reduce_scatter {call}"
         elif kind == 1:
             got = comm.all_gather(x[lo:hi], out=np.empty(count))
             assert all((got[a:b] == call * n + q).all() for q, (a, b) in enumerate(comm.shard_bounds(count))), call
-        else:
+        elif kind == 2:
             comm.broadcast(x, call % n)
             assert (x == call * n + call % n).all(), f"broadcast {call}"
+        else:
+            got = comm.reduce(x, "sum", call % n)
+            assert got is None if r != call % n else (got == sum(call * n + q for q in range(n))).all(), f"reduce {call}"
     comm.close()
 
 
@@ -315,7 +332,7 @@ def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatch():
     """Counts that put the same call on both sides of a window size (the inbox's; a broadcast at 2
-    ranks, the slots'), and an all-reduce in the window against a reduce on the chain: a rank
+    ranks, the slots'), and an all-reduce against a reduce in the window: a rank
     outside sees the other's header in the window (the only sign when the ranks outside wait for
     a message that nobody sends: a broadcast whose root is in the window), one inside a message of
     its call; all raise at once (a MismatchError, or the AbortError it sends), not after the timeout. (A chain's
@@ -335,6 +352,8 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
         ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s, outside=1), 0)),  # (nothing is sent)
         ("reduce_scatter", lambda c, d, s: c.reduce_scatter(across(c, d))),
         ("all_gather", lambda c, d, s: gather_in_place(c, across(c, n * d))),
+        ("reduce", lambda c, d, s: c.reduce(across(c, d))),  # (the root outside)
+        ("reduce", lambda c, d, s: c.reduce(across(c, d, outside=1))),
         ("reduce", lambda c, d, s: c.reduce(np.ones(100, np.float32)) if r else c.all_reduce(np.ones(100, np.float32))),
     )
     for name, call in cases:

@@ -360,10 +360,10 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + "; bitwise the ring's result"
                      + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
                         "out by the others)" if bcast else "")
-                     + (f"; all_gather up to {places} B a shard: copy (shared memory); reduce_scatter up to {places} B: "
-                        "fold (shared memory: each rank folds its shard from every rank's buffer in the window)"
-                        if places else "")
-                     + "; above, and reduce: ring (host buffers up to "
+                     + (f"; all_gather up to {places} B a shard: copy (shared memory); reduce_scatter and reduce up "
+                        f"to {places} B: fold (shared memory: each rank folds its shard, the root the whole buffer, from "
+                        "every rank's buffer in the window)" if places else "")
+                     + "; above: ring, and chain for broadcast and reduce (host buffers up to "
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
     else:
         gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"
