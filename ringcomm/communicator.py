@@ -488,8 +488,8 @@ class Communicator:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
 
         On the host with a shared-memory window, all-reduces, broadcasts and all-gathers that fit
-        it run there, with no message (:meth:`_window_plan`; a reduce-scatter looks for its plan
-        first). Else, on the host, buffers up to PLAN_BYTES run a cached
+        it run there, with no message (:meth:`_window_plan`; a reduce-scatter and a reduce look for
+        their plan first). Else, on the host, buffers up to PLAN_BYTES run a cached
         :class:`ringcomm.engine.Plan` (found by the collective, root, dtype, chunk bounds and the
         buffers' addresses); an all-reduce of 3 or more ranks on one node runs a
         :class:`ringcomm.engine.DirectPlan` instead (2 rounds of direct messages, bitwise the

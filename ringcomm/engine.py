@@ -477,23 +477,21 @@ class SharedPlacesPlan:
         self.steps = 2 if shared.twice else 1  # (the waits, for the DEBUG log)
         self._what = self._WHAT[ctx.collective]
         chunks = [(q, slice(lo, hi)) for q, (lo, hi) in enumerate(bounds) if hi > lo]
-        folds = None  # a reduce-scatter's (a reduce root's): the ranks whose copies of its chunk (the buffer) fold, in order
-        mine = slice(*bounds[p])  # (what this rank folds: its chunk; a reduce's root: the whole buffer)
-        if ctx.collective in ("broadcast", "reduce"):  # (bounds: the chain's pieces of the buffer)
-            whole = slice(0, bounds[-1][1])
-            if ctx.collective == "reduce":  # the others' buffers fold at the root in the chain's order
-                writes, reads, mine = [] if me == root else [(whole, me)], [], whole
-                if me == root and whole.stop:
-                    folds = [ring[q] for q in fold_order(n, p)[:-1]]
-            else:
-                writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
+        mine = slice(*bounds[p])  # what this rank folds: its chunk (a reduce's root: the whole buffer)
+        whole = slice(0, bounds[-1][1])  # (a broadcast's or reduce's bounds: the chain's pieces of the buffer)
+        folding = ctx.collective == "reduce_scatter" or ctx.collective == "reduce" and me == root
+        if ctx.collective == "broadcast":
+            writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
+        elif ctx.collective == "reduce":
+            mine = whole
+            writes, reads = [] if me == root else [(whole, me)], []
         elif ctx.collective == "all_gather":  # (a place holds one shard, from its start)
             writes = [(at, me) for q, at in chunks if q == p]
             reads = [(at, ring[q]) for q, at in chunks if q != p]
         else:
             writes, reads = [(at, me) for q, at in chunks if q != p], []
-            if bounds[p][1] > bounds[p][0]:
-                folds = [ring[q] for q in fold_order(n, p)[:-1]]
+        # the ranks whose copies of what this rank folds fold before its own, in the ring's (chain's) order
+        folds = [ring[q] for q in fold_order(n, p)[:-1]] if folding and mine.stop > mine.start else None
         self.algorithm = "fold (shared memory)" if ctx.collective in ("reduce_scatter", "reduce") else "copy (shared memory)"
         shard = ctx.collective == "all_gather"
 
