@@ -22,8 +22,9 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
         tests = ["tests/gpu/test_cuda_collectives.py", "-k", "every_op_and_dtype or back_to_back"]
-    if variant == "ipc-stream":  # every GPU test with the step handshake on the streams (RINGCOMM_TRANSPORT)
-        env["RINGCOMM_TRANSPORT"] = "ipc-stream"
+    if variant == "ipc-stream":  # every GPU test that communicates, with the step handshake on the streams
+        env["RINGCOMM_TRANSPORT"] = "ipc-stream"  # (the kernels' tests open no communicator: run once)
+        tests = ["tests/gpu", "--ignore=tests/gpu/test_cuda_kernels.py"]
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
         tests = ["tests/gpu/test_cuda_topology.py", "tests/gpu/test_cuda_collectives.py", "-k",
