@@ -1,7 +1,7 @@
 """ipc-stream: the ring's steps ordered on the GPU (stream memory operations), not by the host.
 
 The collectives themselves run through every GPU test with ipc-stream (test_cuda_collectives'
-transports, and tests/test_cuda_emulated.py's ipc-stream variant of all of tests/gpu); here: a call
+transports, and tests/test_cuda_emulated.py's ipc-stream variant of tests/gpu but the kernels'); here: a call
 returns before any of its kernels ran, several calls queue back to back with no host wait, and a
 call's result is bitwise ipc's. On the emulated GPU and on a real one.
 """
