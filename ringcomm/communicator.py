@@ -178,6 +178,9 @@ class Communicator:
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
         self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
+        #: weak references to the (x, out) of the last small all-reduce found apart by
+        #: np.may_share_memory (collectives._small_host; None: none yet)
+        self._apart: tuple | None = None
         #: ipc-stream: the GPU-side handshakes (wait streams and watchdogs) by device, and the error a
         #: watchdog found after a call returned (raised by the next call or check_errors())
         self._handshakes: dict[int, Any] = {}
@@ -644,19 +647,24 @@ class Communicator:
 
     def _execute(self, ctx: Context, run: Any, *args: Any) -> None:
         """``run(ctx, *args)``, which returns the payload bytes sent; any error in it aborts the
-        communicator, and the neighbours are told. (Called by _launch, and by all_reduce's fast
-        lane, which numbers the call itself: collectives._small_host.)"""
+        communicator, and the neighbours are told (:meth:`_failed`). (Called by _launch; all_reduce's
+        fast lane numbers and runs its call itself: collectives._small_host.)"""
         try:
             self.bytes_sent += run(ctx, *args)
-        except MPI.Exception as e:  # no raw MPI error leaves a collective
+        except BaseException as e:
+            self._failed(ctx, e)
+
+    def _failed(self, ctx: Context, e: BaseException) -> None:
+        """Called in the handler of the error ``e`` of a running call: abort the communicator (data
+        may be in flight: it cannot be trusted again) and raise ``e``, an MPI error as a RingcommError."""
+        if isinstance(e, MPI.Exception):  # no raw MPI error leaves a collective
             error = RingcommError(
                 f"{ctx.collective} call {ctx.call}: MPI error on rank {self.rank}: {e.Get_error_string()}"
             )
             self._abort(error)
             raise error from e
-        except BaseException as e:  # data may be in flight: this communicator cannot be trusted again
-            self._abort(e)
-            raise
+        self._abort(e)
+        raise  # (e, as the handler that called this one would: its traceback unchanged)
 
 
 def _place(collective: str, bounds: Bounds, count: int) -> int:

@@ -12,6 +12,7 @@ collective, from ``src`` before that, so an out-of-place collective needs no ini
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -543,6 +544,21 @@ class GatherFold:
         self.gather, self.reused, self.algorithm, self.link = gather, reused, algorithm, link
         self._sides = [(mine, Fold(by_place, bounds, n)) for mine, by_place in sides]
         self._n = n
+        #: all_reduce's fast lane on the host (collectives._small_host): by op, ``(ctx, run)``
+        #: (:meth:`lane`)
+        self.lanes: dict = {}
+
+    def lane(self, comm: Any, op: ReduceOp) -> tuple[Context, Any]:
+        """The fast lane of host all-reduces with ``op`` (collectives._small_host), made once:
+        ``(ctx, run)``, a Context that every call reuses (a call sets its number and clears its
+        tag) and :meth:`bound` to it."""
+        ctx = Context("all_reduce", comm, comm._host, self._sides[0][0].dtype, op)
+        lane = self.lanes[op] = ctx, self.bound(ctx)
+        return lane
+
+    def bound(self, ctx: Context) -> Any:
+        """``run(work, src, acc=None)``: :meth:`run` with ``ctx``."""
+        return partial(self.run, ctx)
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
         """All-reduce ``src`` into ``work`` (``acc``: as for :meth:`Fold.accumulate`); the bytes a ring would send."""
@@ -572,16 +588,30 @@ class GatherFold:
 class SharedGatherFold(GatherFold):
     """A :class:`GatherFold` of host arrays in the shared-memory window (transports.shm.SharedBlocks):
     two sides, the slots that alternate with the publications (``gather.window.side``: the next one);
-    nothing to order between calls. The same steps as GatherFold.run, with nothing in between:
-    a small all-reduce's cost is its few Python calls."""
+    nothing to order between calls. The same steps as GatherFold.run, with nothing in between,
+    bound once to a Context (:meth:`bound`): a small all-reduce's cost is its few Python calls
+    (measured at N = 2, 8 B: 0.25 us of 2.8 less than the steps' methods called in turn)."""
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
+        return self.bound(ctx)(work, src, acc)
+
+    def bound(self, ctx: Context) -> Any:
         gather = self.gather
-        mine, fold = self._sides[gather.window.side]
-        mine[...] = src
-        sent = gather.run(ctx)
-        self._fold(ctx, fold, work, acc)
-        return sent
+        window, sent, publish = gather.window, gather.sent, gather.publication(ctx)
+        sides = [(mine, fold, fold.pieces) for mine, fold in self._sides]
+        fold_pieces, op, div = ctx.device.fold, ctx.op, self._n if ctx.op is AVG else 1
+
+        def run(work: Any, src: Any, acc: Any = None) -> int:
+            mine, fold, pieces = sides[window.side]
+            mine[...] = src
+            publish()
+            if acc is None:  # (GatherFold._fold)
+                fold_pieces(work, pieces, op, div)
+            else:
+                fold.accumulate(ctx, work, acc)
+            return sent
+
+        return run
 
 
 class Fold:

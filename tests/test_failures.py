@@ -112,3 +112,32 @@ def test_barrier_is_checked_and_a_missing_peer_at_creation_times_out():
         with pytest.raises(ringcomm.TimeoutError, match=r"Communicator\(\): rank 0 waited 0.5 s.*duplicating"):
             ringcomm.Communicator(MPI.COMM_WORLD, timeout=0.5)
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.parametrize("lane", [True, False])
+@pytest.mark.parametrize("raw_mpi", [True, False])
+def test_an_error_in_a_running_call_aborts_and_no_raw_mpi_error_leaves(lane, raw_mpi, monkeypatch):
+    """In all_reduce's fast lane (check=False) as in the full path (check=True): an MPI error in
+    a running call is a RingcommError naming the call and the rank; any other error leaves as it
+    was raised, with its traceback; either aborts the communicator (Communicator._failed)."""
+    from ringcomm.transports import shm
+
+    publish = shm.SharedWindow.publish
+
+    def failing(self, ctx, step, what, word):
+        if ctx.call == 2:
+            raise MPI.Exception(MPI.ERR_OTHER) if raw_mpi else ValueError("injected")
+        publish(self, ctx, step, what, word)
+
+    monkeypatch.setattr(shm.SharedWindow, "publish", failing)
+    comm = make_comm(check=not lane)
+    x = np.ones(8, np.float32)
+    assert (comm.all_reduce(x) == 2).all()  # call 1 (the full path: it makes the gather)
+    error = ringcomm.RingcommError if raw_mpi else ValueError
+    with pytest.raises(error, match=r"all_reduce call 2: MPI error on rank \d" if raw_mpi else "injected") as info:
+        comm.all_reduce(x)
+    assert raw_mpi or info.traceback[-1].name == "failing"
+    assert comm._aborted
+    with pytest.raises(ringcomm.RingcommError, match="aborted by an earlier error"):
+        comm.all_reduce(x)

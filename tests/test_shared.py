@@ -498,3 +498,33 @@ def test_the_fast_lane_refuses_what_the_full_path_refuses(caplog):
         assert (comm.all_reduce(x) == 8).all()
     assert "algorithm=direct (shared memory)" in caplog.text, caplog.text
     comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
+    """The lane remembers the last pair of arrays it found apart (Communicator._apart), never a
+    verdict on other arrays: a new out that partly overlaps x is the full path's ValueError, on
+    views of the same buffer as a pair found apart before, also after the arrays that pair held
+    are gone. Its reused Context names each call's own number: ranks in different ops of cached
+    lanes raise a MismatchError naming that call."""
+    comm = make_comm()
+    n = comm.size
+    buf = np.zeros(64, np.float32)
+    a, b = buf[:16], buf[16:32]
+    for _ in range(3):
+        a[...] = 1
+        assert comm.all_reduce(a, out=b) is b and (b == n).all() and (a == 1).all()
+    assert comm._apart is not None and comm._apart[0]() is a and comm._apart[1]() is b
+    for x, out in ((buf[8:24], b), (a, buf[8:24]), (buf[16:32], buf[24:40])):
+        with pytest.raises(ValueError, match="partly overlaps"):
+            comm.all_reduce(x, out=out)
+    del a, b
+    c, d = buf[:16], buf[8:24]  # (may take the ids of the pair that is gone)
+    with pytest.raises(ValueError, match="partly overlaps"):
+        comm.all_reduce(c, out=d)
+    x = np.ones(16, np.float32)
+    assert (comm.all_reduce(x.copy(), "max") == 1).all()  # both lanes made: calls 4 and 5
+    assert (comm.all_reduce(x.copy(), "sum") == n).all()
+    assert comm._calls == 5 and set(next(iter(comm._gathers.values())).lanes) == {ReduceOp.SUM, ReduceOp.MAX}
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=r"call 6\b"):
+        comm.all_reduce(x.copy(), "sum" if comm.rank == 0 else "max")

@@ -43,6 +43,7 @@ After an error the window stays mapped until the process ends (a late peer may r
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -204,7 +205,7 @@ class _Headed:
         self._words: dict = {}  # by (op, accumulation)
         self._kind = kind << 31 | count << 32
 
-    def _word(self, ctx: Any) -> int:
+    def word(self, ctx: Any) -> int:
         """The header's first word: the call's tag (of call 0; it fits 31 bits), kind and count."""
         word = self._words.get((ctx.op, ctx.wide))
         if word is None:
@@ -216,10 +217,10 @@ class _Headed:
 class SharedBlocks(_Headed):
     """A small all-reduce's gather of ``count`` elements of ``dtype`` through a :class:`SharedWindow`.
 
-    ``window.side``: the slot the next run fills (the parity of the next publication); ``mine[side]``:
-    this rank's block there, where the caller copies its data before :meth:`run`;
-    ``blocks[side][i]``: rank i's block, read in place after the run. ``sent``: the bytes a ring
-    gather would send, (N-1)·count·itemsize.
+    ``window.side``: the slot the next call fills (the parity of the next publication); ``mine[side]``:
+    this rank's block there, where the caller copies its data before it publishes
+    (:meth:`publication`); ``blocks[side][i]``: rank i's block, read in place after the publication.
+    ``sent``: the bytes a ring gather would send, (N-1)·count·itemsize.
     """
 
     def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int) -> None:
@@ -229,11 +230,11 @@ class SharedBlocks(_Headed):
         self.mine = [side[comm.rank] for side in self.blocks]
         self.sent = (n - 1) * nbytes
 
-    def run(self, ctx: Any) -> int:
-        """Publish this rank's block (already in ``mine[side]``), wait until every rank has published
-        its own (within the deadline), and check their headers; return the bytes a ring would send."""
-        self.window.publish(ctx, 0, "whole buffer", self._word(ctx))
-        return self.sent
+    def publication(self, ctx: Any) -> Any:
+        """``publish()``, bound to ``ctx`` once for every call it numbers (engine.SharedGatherFold):
+        publish this rank's block (already in ``mine[side]``), wait until every rank has published
+        its own (within the deadline), and check their headers."""
+        return partial(self.window.publish, ctx, 0, "whole buffer", self.word(ctx))
 
     def free(self) -> None:
         """Nothing of its own: the window is the Communicator's."""
@@ -261,11 +262,11 @@ class SharedDirect(_Headed):
 
     def inputs(self, ctx: Any) -> None:
         """Publish this rank's buffer (in ``mine``), wait for every rank's, check the headers."""
-        self.window.publish(ctx, 0, "whole buffer", self._word(ctx))
+        self.window.publish(ctx, 0, "whole buffer", self.word(ctx))
 
     def outputs(self, ctx: Any) -> None:
         """Publish this rank's reduced chunk (in its outbox), wait for every rank's, check the headers."""
-        self.window.publish(ctx, 1, "reduced chunk", self._word(ctx))
+        self.window.publish(ctx, 1, "reduced chunk", self.word(ctx))
 
 
 class SharedPlaces(_Headed):
@@ -293,9 +294,9 @@ class SharedPlaces(_Headed):
 
     def inputs(self, ctx: Any, what: str) -> None:
         """Publish this rank's place (``what`` it holds, for errors), wait for every rank's, check the headers."""
-        self.window.publish(ctx, 0, what, self._word(ctx))
+        self.window.publish(ctx, 0, what, self.word(ctx))
 
     def outputs(self, ctx: Any, what: str) -> None:
         """After the reads of the others' inboxes: publish that (``what`` was read), wait for every rank (slots: nothing)."""
         if self.twice:
-            self.window.publish(ctx, 1, what, self._word(ctx))
+            self.window.publish(ctx, 1, what, self.word(ctx))
