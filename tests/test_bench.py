@@ -303,7 +303,8 @@ def test_plan_defaults_and_all():
     "argv, match",
     [(["-f", "2", "-i", "1K"], "not both"), (["-b", "8x"], "minbytes"), (["-b", "1M", "-e", "1K"], "larger"),
      (["-d", "int32", "-o", "avg"], "floor"), (["--impl", "ringcomm,gloo"], "impl"), (["-n", "0"], "iterations"),
-     (["-o", "mean"], "unsupported op"), (["-d", "complex"], "data type"), (["-f", "1"], "factor")],
+     (["-o", "mean"], "unsupported op"), (["-d", "complex"], "data type"), (["-f", "1"], "factor"),
+     (["--min-time", "-1"], "shortest timed loop")],
 )
 def test_plan_rejects(argv, match):
     with pytest.raises((UsageError, ValueError), match=match):
@@ -325,7 +326,10 @@ def test_settings_validation():
         Settings(stat="mean")
     with pytest.raises(ValueError):
         Settings(warmup=-1)
+    with pytest.raises(ValueError, match="shortest timed loop"):
+        Settings(min_time=-0.1)
     assert "median" in Settings(stat="median").describe()
+    assert "last at least 0.02 s" in Settings(min_time=0.02).describe() and "last at" not in Settings().describe()
 
 
 def test_progress_bar_only_on_a_terminal():

@@ -30,7 +30,7 @@ from ringcomm.ops import ReduceOp
 
 PLANTED = 3
 SWEEP = ["-b", "256", "-e", "16K", "-f", "8", "-n", "2", "-w", "1", "--device", "host", "--impl", "ringcomm,mpi",
-         "--timeout", "60"]
+         "--timeout", "60", "--min-time", "0.002"]
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -56,6 +56,12 @@ def _check_paths_the_sweep_does_not_take() -> None:
         for case in cases:
             for row in runner.run(case):
                 assert [r.wrong for r in row.results.values()] == [0, 0], (case, row)
+        # a shortest loop: fast calls run more than -n iterations, the same number on every rank
+        runner.settings = Settings(iters=2, warmup=2, min_time=0.01)
+        for row in runner.run(runner.case("all_reduce", 16, np.float32, ReduceOp.SUM, 0)):
+            iters = [r.iters for r in row.results.values()]
+            assert min(iters) > 2 and [r.wrong for r in row.results.values()] == [0, 0], row
+            assert MPI.COMM_WORLD.allgather(iters) == [iters] * comm.size
     finally:
         runner.close()
         mpi.close()

@@ -347,7 +347,7 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
         return c.all_gather(out[lo:hi], out=out)
 
     cases = (
-        ("all_reduce", lambda c, d, s: c.all_reduce(across(c, d))),
+        ("all_reduce", lambda c, d, s: c.all_reduce(across(c, c._window_limit("all_reduce")))),
         ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s), 0)),
         ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s, outside=1), 0)),  # (nothing is sent)
         ("reduce_scatter", lambda c, d, s: c.reduce_scatter(across(c, d))),
@@ -528,3 +528,24 @@ def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
     assert comm._calls == 5 and set(next(iter(comm._gathers.values())).lanes) == {ReduceOp.SUM, ReduceOp.MAX}
     with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=r"call 6\b"):
         comm.all_reduce(x.copy(), "sum" if comm.rank == 0 else "max")
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
+    """At 2 ranks an all-reduce runs in the window up to 7/8 of its inbox (from there MPI's
+    single-copy ring is as fast, and faster in place), the ring beyond; at 3 or more up to the
+    inbox, as the other collectives do."""
+    comm = make_comm()
+    n, inbox = comm.size, comm.shared_memory()[1]
+    limit = inbox * 7 // 8 if n == 2 else inbox
+    for nbytes, algorithm in ((limit, "direct (shared memory)"), (limit + 64, "direct" if n > 2 else "ring")):
+        x = np.ones(nbytes // 4, np.float32)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+            assert (comm.all_reduce(x) == n).all()
+        assert f"algorithm={algorithm} transport" in caplog.text, (nbytes, caplog.text)
+    x = np.ones(inbox // 4, np.float32)  # a reduce-scatter's buffer fills the inbox at every N
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        comm.reduce_scatter(x)
+    assert "(shared memory)" in caplog.text.splitlines()[-1], caplog.text
+    comm.close()

@@ -27,6 +27,8 @@ IMPLS = ("ringcomm", "nccl", "mpi")
 #: Default largest size per device (bytes): the host default keeps a 4-rank run on 2 cores < 1 min.
 DEFAULT_MAX = {"host": 64 << 20, "cuda": 128 << 20}
 DEFAULT_TIME_BUDGET = {"host": 1.0, "cuda": 2.0}
+#: seconds a timed loop lasts at least (--min-time)
+DEFAULT_MIN_TIME = 0.02
 
 
 def build_parser(quiet: bool = False) -> RankParser:
@@ -65,6 +67,9 @@ def build_parser(quiet: bool = False) -> RankParser:
     a("--time-budget", type=float, default=None,
       help="seconds one timed loop may take before slow sizes get fewer iterations; 0 = never "
       "(default 1 on host, 2 on cuda)")
+    a("--min-time", type=float, default=DEFAULT_MIN_TIME,
+      help="seconds a timed loop lasts at least: fast sizes run more than -n iterations, so that a stall of "
+      f"the host weighs less; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})")
     a("--timeout", type=float, default=None,
       help="abort the job when a measurement makes no progress for this many seconds "
       "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)")
@@ -144,7 +149,7 @@ class Plan:
         try:
             settings = Settings(iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), stat=args.stat,
                                 time_budget=args.time_budget if args.time_budget is not None else 1.0,
-                                seed=args.seed, corrupt=args.corrupt_for_tests)
+                                min_time=args.min_time, seed=args.seed, corrupt=args.corrupt_for_tests)
         except ValueError as e:
             raise UsageError(str(e)) from None
         step = f"{step_bytes}(bytes)" if step_bytes is not None else f"{factor}(factor)"

@@ -5,7 +5,9 @@ Per implementation and mode (out-of-place, then in-place):
 1. load the timing input, run the first warm-up call alone and take the slowest rank's time t1;
 2. run the other warm-up calls; with a time budget B > 0, when w * t1 > B only max(1, B / t1)
    warm-up calls are made, and when the timed loop would exceed B (n * t > B, t the slowest rank's
-   warm-up time per call) only max(min(n, 3), B / t) timed iterations run (same count on every rank);
+   warm-up time per call) only max(min(n, 3), B / t) timed iterations run; with a shortest loop
+   M > 0 (``min_time``), when it would last less than M, M / t iterations run (same count on every
+   rank: a few microseconds' stall of a shared host weighs on the mean or median of 20 short calls);
 3. time: ``avg`` = one barrier, n calls, wait for completion, elapsed / n on each rank;
    ``median`` = one barrier, n calls back to back, each timed alone (from the previous call's
    completion to its own); the slowest rank's value of each iteration, then the median over
@@ -49,6 +51,7 @@ class Settings:
     check: bool = True
     stat: str = "avg"  # "avg" or "median"
     time_budget: float = 1.0  # seconds per (implementation, mode) timed loop; 0: no limit
+    min_time: float = 0.0  # seconds a timed loop lasts at least (more iterations for fast calls); 0: n exactly
     seed: int = 0
     corrupt: int = 0  # tests only: plant this many wrong elements per rank in ringcomm's results
 
@@ -61,6 +64,8 @@ class Settings:
             raise ValueError(f"stat must be 'avg' or 'median'; got {self.stat!r}")
         if not self.time_budget >= 0:
             raise ValueError(f"the time budget must be >= 0 seconds; got {self.time_budget}")
+        if not self.min_time >= 0:
+            raise ValueError(f"the shortest timed loop must be >= 0 seconds; got {self.min_time}")
         if self.corrupt < 0:
             raise ValueError(f"corrupt must be >= 0; got {self.corrupt}")
 
@@ -73,7 +78,9 @@ class Settings:
                     "barrier, each timed from the previous call's completion)")
         budget = (f"; time budget {self.time_budget:g} s per loop: slow sizes run fewer warm-up/timed "
                   f"iterations (at least 1/{MIN_ITERS}; listed under the table)" if self.time_budget > 0 else "")
-        return what + budget
+        shortest = (f"; timed loops last at least {self.min_time:g} s: fast sizes run more iterations"
+                    if self.min_time > 0 else "")
+        return what + budget + shortest
 
 
 @dataclasses.dataclass
@@ -344,6 +351,8 @@ class Runner:
             tw = self._slowest(self._block(prep, w - 1)) / (w - 1) if w > 1 else t1
             if budget > 0 and n * tw > budget:
                 n = max(min(n, MIN_ITERS), int(budget / tw))
+            elif n * tw < st.min_time:  # (tw: the slowest rank's, so every rank makes this count)
+                n = int(st.min_time / tw) + 1
         times = np.array([self._block(prep, n) / n]) if st.stat == "avg" else self._each(prep, n)
         wrong = -1
         if st.check:
