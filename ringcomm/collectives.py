@@ -67,13 +67,14 @@ def _root(comm: Any, root: Any) -> int:
     return int(root)
 
 
-def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
-    """The fast lane of a small all-reduce of numpy arrays whose gather is cached:
-    ``(GatherFold, op, src, work)`` when every check of all_reduce passes at a glance (a usable
-    communicator without check=True or float32 accumulation, a known op that suits the dtype, x
-    contiguous and still within small_bytes, written arrays writable, out of x's dtype and size
-    and apart from x, or x itself) and the DEBUG log is off, else None: the full path then runs,
-    with its checks, their messages and its log line."""
+def _small_host(comm: Any, x: Any, op: Any, out: Any) -> Any:
+    """The fast lane of a small all-reduce of numpy arrays whose gather is cached: when every check
+    of all_reduce passes at a glance (a usable communicator without check=True or float32
+    accumulation, a known op that suits the dtype, x contiguous and still within small_bytes,
+    written arrays writable, out of x's dtype and size and apart from x, or x itself) and the
+    DEBUG log is off, it runs the call (what _launch does, less what the lane refused: the
+    agreement, the log line) and returns its result, else None: the full path then runs, with
+    its checks, their messages and its log line."""
     small = comm._gathers.get(("host", x.size, x.dtype))
     op = OPS.get(op) if isinstance(op, str) else None  # (a ReduceOp is a str; anything else: the full path's error)
     if (small is None or op is None or x.nbytes > comm.small_bytes or comm._aborted or comm.check
@@ -86,21 +87,30 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> tuple | None:
     if out is None or out is x:
         if not flags.writeable:
             return None
-        return small, op, src, src
-    if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != x.size:
-        return None
-    owned, flags = flags.owndata, out.flags
-    if not flags.c_contiguous or not flags.writeable:
-        return None
-    if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
-        # Two arrays found apart stay apart: an array's address never changes, nor its bytes
-        # while it stays contiguous (checked above) (measured: 0.1 us less than may_share_memory)
-        seen = comm._apart
-        if seen is None or seen[0]() is not x or seen[1]() is not out:
-            if np.may_share_memory(out, x):
-                return None
-            comm._apart = ref(x), ref(out)
-    return small, op, src, out if out.ndim == 1 else out.reshape(-1)
+        work = src
+    else:
+        if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != x.size:
+            return None
+        owned, flags = flags.owndata, out.flags
+        if not flags.c_contiguous or not flags.writeable:
+            return None
+        if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
+            # Two arrays found apart stay apart: an array's address never changes, nor its bytes
+            # while it stays contiguous (checked above) (measured: 0.1 us less than may_share_memory)
+            seen = comm._apart
+            if seen is None or seen[0]() is not x or seen[1]() is not out:
+                if np.may_share_memory(out, x):
+                    return None
+                comm._apart = ref(x), ref(out)
+        work = out if out.ndim == 1 else out.reshape(-1)
+    ctx, run = small.lanes.get(op) or small.lane(comm, op)
+    comm._calls += 1
+    ctx.call, ctx.tag = comm._calls, None
+    try:  # (Communicator._execute, inline)
+        comm.bytes_sent += run(work, src)
+    except BaseException as e:
+        comm._failed(ctx, e)
+    return x if out is None else out
 
 
 def all_reduce(
@@ -114,17 +124,9 @@ def all_reduce(
     result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
     """
     if type(x) is np.ndarray and stream is None and accumulate is None:
-        fast = _small_host(comm, x, op, out)
-        if fast is not None:  # (what _launch does, less what the lane refused: the agreement, the log)
-            small, op, src, work = fast
-            ctx, run = small.lanes.get(op) or small.lane(comm, op)
-            comm._calls += 1
-            ctx.call, ctx.tag = comm._calls, None
-            try:  # (Communicator._execute, inline)
-                comm.bytes_sent += run(work, src)
-            except BaseException as e:
-                comm._failed(ctx, e)
-            return x if out is None else out
+        done = _small_host(comm, x, op, out)
+        if done is not None:
+            return done
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
