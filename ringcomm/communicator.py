@@ -229,7 +229,8 @@ class Communicator:
 
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
-        (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
+        (and small_bytes) gather there, those up to ``direct`` (at 2 ranks 7/8 of it) run the
+        shared direct all-reduce;
         broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``), the other
         collectives up to ``direct`` (_window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
@@ -666,7 +667,7 @@ class Communicator:
             self._abort(error)
             raise error from e
         self._abort(e)
-        raise  # (e, as the handler that called this one would: its traceback unchanged)
+        raise  # (the handled error, e: its traceback keeps the frames where it was raised)
 
 
 def _place(collective: str, bounds: Bounds, count: int) -> int:

@@ -533,7 +533,7 @@ class GatherFold:
     ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send:
     transports.mpi.GatheredBlocks (host: a persistent MPI_Allgather) or a :class:`Plan` of the
     ring's all-gather schedule (GPUs); :class:`SharedGatherFold` for the host's shared-memory
-    window. ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
+    window (transports.shm.SharedBlocks, which the caller publishes: ``publication(ctx)()``). ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
     this rank copies its buffer, and where the N blocks then lie. ``reused``: the GPU gather's
     buffer (devices.Reused; None on the host), ordered after its last use. ``algorithm`` and
     ``link`` (the kind's transports.Link): what the DEBUG log names.
@@ -557,7 +557,7 @@ class GatherFold:
         return lane
 
     def bound(self, ctx: Context) -> Any:
-        """``run(work, src, acc=None)``: :meth:`run` with ``ctx``."""
+        """``run(work, src)``: :meth:`run` with ``ctx`` (and no float32 accumulation)."""
         return partial(self.run, ctx)
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
@@ -588,27 +588,31 @@ class GatherFold:
 class SharedGatherFold(GatherFold):
     """A :class:`GatherFold` of host arrays in the shared-memory window (transports.shm.SharedBlocks):
     two sides, the slots that alternate with the publications (``gather.window.side``: the next one);
-    nothing to order between calls. The same steps as GatherFold.run, with nothing in between,
-    bound once to a Context (:meth:`bound`): a small all-reduce's cost is its few Python calls
-    (measured at N = 2, 8 B: 0.25 us of 2.8 less than the steps' methods called in turn)."""
+    nothing to order between calls. The same steps as GatherFold.run, with nothing in between;
+    the fast lane's are bound once to its Context (:meth:`bound`), since a small all-reduce's cost
+    is its few Python calls (measured at N = 2, 8 B: 0.25 us of 2.8 less than :meth:`run`)."""
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
-        return self.bound(ctx)(work, src, acc)
+        gather = self.gather
+        mine, fold = self._sides[gather.window.side]
+        mine[...] = src
+        gather.publication(ctx)()
+        self._fold(ctx, fold, work, acc)
+        return gather.sent
 
     def bound(self, ctx: Context) -> Any:
+        """:meth:`run`'s steps with everything they look up found once (the fast lane's; no
+        float32 accumulation there)."""
         gather = self.gather
         window, sent, publish = gather.window, gather.sent, gather.publication(ctx)
-        sides = [(mine, fold, fold.pieces) for mine, fold in self._sides]
+        sides = [(mine, fold.pieces) for mine, fold in self._sides]
         fold_pieces, op, div = ctx.device.fold, ctx.op, self._n if ctx.op is AVG else 1
 
-        def run(work: Any, src: Any, acc: Any = None) -> int:
-            mine, fold, pieces = sides[window.side]
+        def run(work: Any, src: Any) -> int:
+            mine, pieces = sides[window.side]
             mine[...] = src
             publish()
-            if acc is None:  # (GatherFold._fold)
-                fold_pieces(work, pieces, op, div)
-            else:
-                fold.accumulate(ctx, work, acc)
+            fold_pieces(work, pieces, op, div)
             return sent
 
         return run

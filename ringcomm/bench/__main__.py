@@ -68,8 +68,8 @@ def build_parser(quiet: bool = False) -> RankParser:
       help="seconds one timed loop may take before slow sizes get fewer iterations; 0 = never "
       "(default 1 on host, 2 on cuda)")
     a("--min-time", type=float, default=DEFAULT_MIN_TIME,
-      help="seconds a timed loop lasts at least: fast sizes run more than -n iterations, so that a stall of "
-      f"the host weighs less; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})")
+      help="seconds a timed loop lasts at least (within --time-budget): fast sizes run more than -n iterations, "
+      f"so that a stall of the host weighs less; needs -w >= 1; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})")
     a("--timeout", type=float, default=None,
       help="abort the job when a measurement makes no progress for this many seconds "
       "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)")
@@ -356,7 +356,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
             + f"  (nodes: {','.join(comm.nodes)})")
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
-        small, direct = window
+        small, direct = window[0], comm._window_limit("all_reduce")
         bcast, places = comm._window_limit("broadcast"), comm._window_limit("reduce_scatter")
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"

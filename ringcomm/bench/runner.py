@@ -6,8 +6,9 @@ Per implementation and mode (out-of-place, then in-place):
 2. run the other warm-up calls; with a time budget B > 0, when w * t1 > B only max(1, B / t1)
    warm-up calls are made, and when the timed loop would exceed B (n * t > B, t the slowest rank's
    warm-up time per call) only max(min(n, 3), B / t) timed iterations run; with a shortest loop
-   M > 0 (``min_time``), when it would last less than M, M / t iterations run (same count on every
-   rank: a few microseconds' stall of a shared host weighs on the mean or median of 20 short calls);
+   M > 0 (``min_time``) and warm-up calls, when the loop would last less than M, min(M, B) / t
+   iterations run (same count on every rank: a stall of a shared host weighs on the mean or
+   median of 20 short calls);
 3. time: ``avg`` = one barrier, n calls, wait for completion, elapsed / n on each rank;
    ``median`` = one barrier, n calls back to back, each timed alone (from the previous call's
    completion to its own); the slowest rank's value of each iteration, then the median over
@@ -351,8 +352,8 @@ class Runner:
             tw = self._slowest(self._block(prep, w - 1)) / (w - 1) if w > 1 else t1
             if budget > 0 and n * tw > budget:
                 n = max(min(n, MIN_ITERS), int(budget / tw))
-            elif n * tw < st.min_time:  # (tw: the slowest rank's, so every rank makes this count)
-                n = int(st.min_time / tw) + 1
+            elif tw > 0 and n * tw < st.min_time:  # (tw: the slowest rank's, so every rank makes this count)
+                n = int((min(st.min_time, budget) if budget > 0 else st.min_time) / tw) + 1
         times = np.array([self._block(prep, n) / n]) if st.stat == "avg" else self._each(prep, n)
         wrong = -1
         if st.check:
