@@ -8,6 +8,7 @@ on the rank that passed it and never leaves its peers waiting inside a ring (the
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 from weakref import ref
 
@@ -106,14 +107,20 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> Any:
                     return None
                 comm._apart = ref(x), ref(out)
         work = out if out.ndim == 1 else out.reshape(-1)
-    ctx, run = small.lanes.get(op) or small.lane(comm, op)
+    _run_lane(comm, small.lanes.get(op) or small.lane(comm, op), work, src)
+    return x if out is None else out
+
+
+def _run_lane(comm: Any, lane: tuple, work: Any, src: Any) -> None:
+    """Run a fast lane's call, ``lane`` = (ctx, run): numbered as _launch does it, then
+    ``run(work, src)`` (Communicator._execute's work: an error aborts, _failed)."""
+    ctx, run = lane
     comm._calls += 1
     ctx.call, ctx.tag = comm._calls, None
-    try:  # (Communicator._execute, inline)
+    try:
         comm.bytes_sent += run(work, src)
     except BaseException as e:
         comm._failed(ctx, e)
-    return x if out is None else out
 
 
 def all_reduce(
@@ -240,6 +247,17 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
+    if type(x) is np.ndarray and stream is None and type(root) is int:
+        # The fast lane of a host broadcast in the shared-memory window of a count, dtype and root
+        # that ran there before (so checked then): the checks that depend on x, then the call,
+        # numbered as _launch would (not when the full path has more to do: see _small_host).
+        lane = comm._lanes.get((x.size, x.dtype, root))
+        if not (lane is None or comm._aborted or comm.check or comm._late_error is not None or _debug(DEBUG)):
+            flags = x.flags
+            if flags.c_contiguous and (flags.writeable or comm.rank == root):
+                buf = x if x.ndim == 1 else x.reshape(-1)
+                _run_lane(comm, lane, buf, buf)
+                return x
     root = _root(comm, root)
     kind, buf, device = _input(comm, x, "x", None, stream)
     if comm.rank != root:  # the root's x is only read
@@ -248,7 +266,11 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     nchunks = schedule.chain_chunks(n, buf.size, buf.itemsize, comm.slice_bytes)
     ctx = Context("broadcast", comm, device, buf.dtype, None)
     steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
-    comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
+    plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
+    if plan is not None:  # in the window: the next such call takes the lane, on a Context of its own
+        lane_ctx = Context("broadcast", comm, device, buf.dtype, None)
+        lane_ctx.root = root
+        comm._lanes[buf.size, buf.dtype, root] = lane_ctx, partial(plan.run, lane_ctx)
     return x
 
 

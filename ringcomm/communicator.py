@@ -178,6 +178,9 @@ class Communicator:
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
         self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
+        #: fast lanes of host broadcasts in the shared-memory window, (ctx, run) by count, dtype and
+        #: root (collectives.broadcast; dropped with the plans they run)
+        self._lanes: dict[tuple, tuple] = {}
         #: weak references to the (x, out) of the last small all-reduce found apart by
         #: np.may_share_memory (collectives._small_host; None: none yet)
         self._apart: tuple | None = None
@@ -488,8 +491,9 @@ class Communicator:
     def _run(
         self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, work: Any, src: Any, result_chunks: Any = (),
         root: int = -1, agreed: bool = False,
-    ) -> None:
+    ) -> Any:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
+        Returns the shared-memory window's plan when one ran, else None.
 
         On the host with a shared-memory window, all-reduces, broadcasts and all-gathers that fit
         it run there, with no message (:meth:`_window_plan`; a reduce-scatter and a reduce look for
@@ -505,7 +509,7 @@ class Communicator:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
         elif (plan := self._window_plan(ctx, kind, count, steps, bounds, root)) is not None:
             self._launch(ctx, count, root, agreed, plan.algorithm, link, plan.steps, plan.run, work, src)
-            return
+            return plan
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
             direct = ctx.collective == "all_reduce" and self.size > 2 and self.single_node and link.direct(ctx)
             at = span(work)[0]
@@ -517,11 +521,12 @@ class Communicator:
                 plan = self._cache(key, made)
             algorithm, nsteps = ("direct", 2) if direct else ("ring", len(steps))
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
-            return
+            return None
         self._launch(ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link,
                      result_chunks)
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
+        return None
 
     def _window_plan(self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, root: int) -> Any:
         """The cached plan of a host call that fits the shared-memory window (:meth:`_window_limit`),
@@ -623,6 +628,7 @@ class Communicator:
         for plan in self._plans.values():
             plan.free()
         self._plans.clear()
+        self._lanes.clear()
         self._plan_bytes = 0
 
     def _free_gathers(self) -> None:

@@ -549,3 +549,59 @@ def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
         comm.reduce_scatter(x)
     assert "(shared memory)" in caplog.text.splitlines()[-1], caplog.text
     comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_the_broadcast_lane_is_the_roots_buffer_and_refuses_what_the_full_path_refuses(caplog):
+    """Once a count, dtype and root ran in the window, the next such broadcast takes the lane
+    (collectives.broadcast): the root's buffer on every rank, every root in turn, in calls
+    numbered as the full path numbers them; what the full path refuses it still refuses, with
+    the full path's message (a bool root, a read-only or non-contiguous x off the root, stream=);
+    ranks in different roots' lanes raise a MismatchError naming the call; the lanes go with
+    the plans."""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = make_comm()
+    launched = []  # the full path's calls
+    launch = comm._launch
+    comm._launch = lambda ctx, *args: (launched.append(ctx.collective), launch(ctx, *args))
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    for k in range(3 * n):
+        root = k % n
+        for dtype, count in ((np.float32, 13), (np.uint8, 5)):
+            x = rng.integers(0, 100, count).astype(dtype)
+            want = mpi.bcast(x if r == root else None, root)
+            assert comm.broadcast(x, root) is x and x.tobytes() == want.tobytes(), (k, dtype)
+            y = x.reshape(1, -1).copy()  # (2-D, contiguous: the lane too)
+            assert comm.broadcast(y, root) is y and y.tobytes() == want.tobytes()
+    assert set(comm._lanes) == {(c, np.dtype(d), q) for d, c in ((np.float32, 13), (np.uint8, 5)) for q in range(n)}
+    assert comm._calls == 3 * n * 4 and len(launched) == 2 * n  # the first of each count, dtype and root
+    x = np.ones(13, np.float32)
+    with pytest.raises(ValueError, match="root must be an integer rank"):
+        comm.broadcast(x, True)  # (not the lane of root 1)
+    with pytest.raises(TypeError, match="stream= applies to GPU arrays only"):
+        comm.broadcast(x, 0, stream=object())
+    assert (comm.broadcast(x, np.int64(0)) == 1).all()  # (an integer root of numpy's: the full path)
+    bad = np.ones(26, np.float32)[::2]
+    ro = np.ones(13, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        comm.broadcast(bad, 0)
+    if r != 0:
+        with pytest.raises(TypeError, match="read-only"):
+            comm.broadcast(ro, 0)
+    assert comm.broadcast(ro, 0) is ro if r == 0 else True  # the root's x is only read
+    if r != 0:
+        comm.broadcast(x, 0)  # (what the root's read-only call met)
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        comm.broadcast(x, 0)
+    assert "broadcast: rank" in caplog.text and "algorithm=copy (shared memory)" in caplog.text
+    calls = comm._calls
+    comm._free_plans()
+    assert not comm._lanes
+    comm.broadcast(x, 0)  # the full path again, then the lane
+    comm.broadcast(x, 0)
+    assert comm._calls == calls + 2 and comm._lanes
+    comm.broadcast(x, 1)  # both lanes made
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=rf"call {calls + 4}\b"):
+        comm.broadcast(x, 0 if r == 0 else 1)
