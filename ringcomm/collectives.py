@@ -80,8 +80,7 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> Any:
     its checks, their messages and its log line."""
     small = comm._gathers.get(("host", x.size, x.dtype))
     op = OPS.get(op) if isinstance(op, str) else None  # (a ReduceOp is a str; anything else: the full path's error)
-    if (small is None or op is None or x.nbytes > comm.small_bytes or comm._aborted or comm.check
-            or comm._late_error is not None or comm.accumulate_override or _debug(DEBUG)):
+    if small is None or op is None or x.nbytes > comm.small_bytes or not _lanes_open(comm):
         return None
     flags = x.flags
     if not flags.c_contiguous or (op is AVG and x.dtype.kind in "iu"):  # (a cached dtype is supported)
@@ -91,30 +90,54 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> Any:
         if not flags.writeable:
             return None
         work = src
-    else:
-        if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != x.size:
-            return None
-        owned, flags = flags.owndata, out.flags
-        if not flags.c_contiguous or not flags.writeable:
-            return None
-        if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
-            # Two arrays found apart stay apart: from NumPy 2 a view's address never changes (its
-            # data cannot be reassigned), nor its bytes while it stays contiguous (checked above)
-            # (measured: 0.1 us less than may_share_memory)
-            seen = comm._apart if _FIXED_ADDRESSES else None
-            if seen is None or seen[0]() is not x or seen[1]() is not out:
-                if np.may_share_memory(out, x):
-                    return None
-                comm._apart = ref(x), ref(out)
-        work = out if out.ndim == 1 else out.reshape(-1)
-    _run_lane(comm, small.lanes.get(op) or small.lane(comm, op), work, src)
+    elif (work := _lane_out(comm, x, flags, out, x.size)) is None:
+        return None
+    ctx, run = small.lanes.get(op) or small.lane(comm, op)
+    _run_lane(comm, ctx, run, work, src)
     return x if out is None else out
 
 
-def _run_lane(comm: Any, lane: tuple, work: Any, src: Any) -> None:
-    """Run a fast lane's call, ``lane`` = (ctx, run): numbered as _launch does it, then
-    ``run(work, src)`` (Communicator._execute's work: an error aborts, _failed)."""
-    ctx, run = lane
+def _lane_out(comm: Any, x: Any, flags: Any, out: Any, count: int) -> Any:
+    """For a fast lane: the flat view of ``out`` when it is what the full path would take as the
+    output of ``count`` elements of x (``flags``: x's) apart from x (a numpy array of x's dtype,
+    C-contiguous, writable), else None."""
+    if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != count:
+        return None
+    owned, flags = flags.owndata, out.flags
+    if not flags.c_contiguous or not flags.writeable:
+        return None
+    if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
+        # Two arrays found apart stay apart: from NumPy 2 a view's address never changes (its
+        # data cannot be reassigned), nor its bytes while it stays contiguous (checked above)
+        # (measured: 0.1 us less than may_share_memory)
+        seen = comm._apart if _FIXED_ADDRESSES else None
+        if seen is None or seen[0]() is not x or seen[1]() is not out:
+            if np.may_share_memory(out, x):
+                return None
+            comm._apart = ref(x), ref(out)
+    return out if out.ndim == 1 else out.reshape(-1)
+
+
+def _lanes_open(comm: Any) -> bool:
+    """Whether a fast lane may run a call now: a usable communicator without check=True, an
+    accumulation override (RINGCOMM_ACCUMULATE) or the DEBUG log (the full path's agreement,
+    dtype rule and log line)."""
+    return not (comm._aborted or comm.check or comm._late_error is not None or comm.accumulate_override
+                or _debug(DEBUG))
+
+
+def _new_lane(comm: Any, plan: Any, collective: str, dtype: np.dtype, op: ReduceOp | None, root: int) -> tuple:
+    """``(ctx, run)``: a lane for later calls like one that just ran the shared-memory window's
+    ``plan`` (Communicator._lanes): a Context of its own, which its calls reuse, and the plan's
+    run bound to it."""
+    ctx = Context(collective, comm, comm._host, dtype, op)
+    ctx.root = root
+    return ctx, partial(plan.run, ctx)
+
+
+def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
+    """Run a fast lane's call: numbered as _launch does it, then ``run(work, src)`` on the lane's
+    ``ctx`` (Communicator._execute's work: an error aborts, _failed)."""
     comm._calls += 1
     ctx.call, ctx.tag = comm._calls, None
     try:
@@ -180,6 +203,16 @@ def reduce_scatter(
     ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
     ``accumulate``: as for :meth:`all_reduce`.
     """
+    if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str):
+        # the lane of a count, dtype and op that ran in the window (see broadcast): x contiguous, a
+        # fresh result or an out apart from x (one that aliases x takes the full path's scratch)
+        lane = comm._lanes.get(("reduce_scatter", x.size, x.dtype, OPS.get(op)))
+        if lane is not None and _lanes_open(comm) and (flags := x.flags).c_contiguous:
+            ctx, run, shard = lane
+            result = np.empty(shard, x.dtype) if out is None else _lane_out(comm, x, flags, out, shard)
+            if result is not None:
+                _run_lane(comm, ctx, run, result, x if x.ndim == 1 else x.reshape(-1))
+                return out if out is not None else result
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
@@ -197,6 +230,8 @@ def reduce_scatter(
         if into is not result:
             device.copy(result, into)
             comm._scratch_done(kind, device)
+        comm._lanes["reduce_scatter", src.size, src.dtype, op] = (
+            *_new_lane(comm, plan, "reduce_scatter", src.dtype, op, -1), hi - lo)
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype)
         comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position])
@@ -211,6 +246,16 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
     of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
     """
+    if type(shard) is np.ndarray and stream is None and type(out) is np.ndarray:
+        # the lane of an out's count and dtype that ran in the window (see broadcast): shard
+        # contiguous, of its size, and apart from out (in place, the full path finds its place)
+        lane = comm._lanes.get(("all_gather", out.size, out.dtype))
+        if lane is not None and _lanes_open(comm) and (flags := shard.flags).c_contiguous:
+            ctx, run, lo, hi = lane
+            if shard.size == hi - lo and (work := _lane_out(comm, shard, flags, out, out.size)) is not None:
+                work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
+                _run_lane(comm, ctx, run, work, work)
+                return out
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)
@@ -241,7 +286,10 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     if place != "same":
         device.copy(mine, src)
     steps = schedule.all_gather(n, comm.position)
-    comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
+    plan = comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
+    if plan is not None and out is not None:  # (the bounds of out's count: those of later such calls)
+        comm._lanes["all_gather", work.size, src.dtype] = (*_new_lane(comm, plan, "all_gather", src.dtype, None, -1),
+                                                          lo, hi)
     return out if out is not None else work
 
 
@@ -251,12 +299,13 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
         # The fast lane of a host broadcast in the shared-memory window of a count, dtype and root
         # that ran there before (so checked then): the checks that depend on x, then the call,
         # numbered as _launch would (not when the full path has more to do: see _small_host).
-        lane = comm._lanes.get((x.size, x.dtype, root))
-        if not (lane is None or comm._aborted or comm.check or comm._late_error is not None or _debug(DEBUG)):
+        lane = comm._lanes.get(("broadcast", x.size, x.dtype, root))
+        if lane is not None and _lanes_open(comm):
             flags = x.flags
             if flags.c_contiguous and (flags.writeable or comm.rank == root):
                 buf = x if x.ndim == 1 else x.reshape(-1)
-                _run_lane(comm, lane, buf, buf)
+                ctx, run = lane
+                _run_lane(comm, ctx, run, buf, buf)
                 return x
     root = _root(comm, root)
     kind, buf, device = _input(comm, x, "x", None, stream)
@@ -267,10 +316,8 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     ctx = Context("broadcast", comm, device, buf.dtype, None)
     steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
     plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
-    if plan is not None:  # in the window: the next such call takes the lane, on a Context of its own
-        lane_ctx = Context("broadcast", comm, device, buf.dtype, None)
-        lane_ctx.root = root
-        comm._lanes[buf.size, buf.dtype, root] = lane_ctx, partial(plan.run, lane_ctx)
+    if plan is not None:  # in the window: the next such call takes the lane
+        comm._lanes["broadcast", buf.size, buf.dtype, root] = _new_lane(comm, plan, "broadcast", buf.dtype, None, root)
     return x
 
 
@@ -283,6 +330,18 @@ def reduce(
     On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
     ``accumulate``: as for :meth:`all_reduce`.
     """
+    if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str) and type(root) is int:
+        # the lane of a count, dtype, op and root that ran in the window (see broadcast): x
+        # contiguous, and out None off the root or apart from x (in place at the root, the full
+        # path folds from a copy of x)
+        lane = comm._lanes.get(("reduce", x.size, x.dtype, OPS.get(op), root))
+        if lane is not None and _lanes_open(comm) and (flags := x.flags).c_contiguous:
+            is_root = comm.rank == root
+            into = None if out is None else _lane_out(comm, x, flags, out, x.size)
+            if into is not None or out is None and not is_root:
+                ctx, run = lane
+                _run_lane(comm, ctx, run, into if is_root else None, x if x.ndim == 1 else x.reshape(-1))
+                return out if is_root else None
     op = parse_op(op)
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)
@@ -308,6 +367,7 @@ def reduce(
         comm._launch(ctx, src.size, root, False, plan.algorithm, comm._transport(kind), plan.steps, plan.run, into, own)
         if own is not src:
             comm._scratch_done(kind, device)
+        comm._lanes["reduce", src.size, src.dtype, op, root] = _new_lane(comm, plan, "reduce", src.dtype, op, root)
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype) if not is_root else src if rel == "same" else o
         comm._run(ctx, kind, src.size, steps, pieces, work, src, result_chunks=range(nchunks) if is_root else (),

@@ -178,8 +178,9 @@ class Communicator:
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
         self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
-        #: fast lanes of host broadcasts in the shared-memory window, (ctx, run) by count, dtype and
-        #: root (collectives.broadcast; dropped with the plans they run)
+        #: fast lanes of host calls in the shared-memory window other than small all-reduces (whose
+        #: gathers keep theirs): (ctx, run, ...) by collective, count, dtype, op, root (collectives;
+        #: dropped with the plans they run)
         self._lanes: dict[tuple, tuple] = {}
         #: weak references to the (x, out) of the last small all-reduce found apart by
         #: np.may_share_memory (collectives._small_host; None: none yet)

@@ -574,7 +574,7 @@ def test_the_broadcast_lane_is_the_roots_buffer_and_refuses_what_the_full_path_r
             assert comm.broadcast(x, root) is x and x.tobytes() == want.tobytes(), (k, dtype)
             y = x.reshape(1, -1).copy()  # (2-D, contiguous: the lane too)
             assert comm.broadcast(y, root) is y and y.tobytes() == want.tobytes()
-    assert set(comm._lanes) == {(c, np.dtype(d), q) for d, c in ((np.float32, 13), (np.uint8, 5)) for q in range(n)}
+    assert set(comm._lanes) == {("broadcast", c, np.dtype(d), q) for d, c in ((np.float32, 13), (np.uint8, 5)) for q in range(n)}
     assert comm._calls == 3 * n * 4 and len(launched) == 2 * n  # the first of each count, dtype and root
     x = np.ones(13, np.float32)
     with pytest.raises(ValueError, match="root must be an integer rank"):
@@ -605,3 +605,73 @@ def test_the_broadcast_lane_is_the_roots_buffer_and_refuses_what_the_full_path_r
     comm.broadcast(x, 1)  # both lanes made
     with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=rf"call {calls + 4}\b"):
         comm.broadcast(x, 0 if r == 0 else 1)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths(caplog):
+    """Once a count, dtype (op, root) ran in the window, the next such call takes its lane
+    (collectives): bitwise the full path's result (the ring's or chain's order), against MPI's
+    own collectives; what the lane does not take (in place where the full path needs a scratch
+    or finds the place, an out that aliases x) and what the full path refuses go the full way,
+    with its results and messages; ranks in different lanes raise a MismatchError naming the call."""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = make_comm()
+    launched = []
+    launch = comm._launch
+    comm._launch = lambda ctx, *args: (launched.append(ctx.collective), launch(ctx, *args))
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    count = 16 * n + 16  # (equal shards)
+    lo, hi = comm.shard_bounds(count)[r]
+    for k in range(4):
+        for op in ("sum", "max"):
+            x = rng.standard_normal(count).astype(np.float32)
+            everyone = gather_all(mpi, x)
+            want = np.empty(count, np.float32)
+            mpi.Allreduce(x, want, MPI.SUM if op == "sum" else MPI.MAX)
+            assert_matches(comm.reduce_scatter(x, op), [e[lo:hi] for e in everyone], ReduceOp(op), "fresh result")
+            out = np.empty(hi - lo, np.float32)
+            assert comm.reduce_scatter(x, op, out=out) is out
+            assert out.tobytes() == comm.reduce_scatter(x, op).tobytes()
+            root = k % n
+            got = comm.reduce(x, op, root, out=np.empty(count, np.float32))
+            assert (got is None) == (r != root)
+            if r == root:
+                assert_matches(got, everyone, ReduceOp(op), "reduce")
+            y = x.copy()
+            assert comm.reduce(y, op, root) is (None if r != root else y)  # (in place at the root: full path)
+            assert r != root or y.tobytes() == got.tobytes()
+            shards = np.empty(count, np.float32)
+            assert comm.all_gather(x[lo:hi].copy(), out=shards) is shards
+            parts = [e[a:b] for e, (a, b) in zip(everyone, comm.shard_bounds(count))]
+            assert shards.tobytes() == np.concatenate(parts).tobytes()
+    kinds = {"reduce_scatter", "reduce", "all_gather"}
+    assert {key[0] for key in comm._lanes} == kinds
+    # the full path: the first call of each key, the reduces in place at the root, nothing else
+    assert launched.count("reduce_scatter") == 2 and launched.count("all_gather") == 1
+    rooted = sum(k % n == r for k in range(4))  # (the calls this rank made as the root, per op)
+    assert launched.count("reduce") == 2 * min(n, 4) + 2 * rooted, launched.count("reduce")
+    x = np.ones(count, np.float32)
+    assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all()  # (out aliases x: the scratch)
+    lanes_in_place = x.copy()
+    comm.all_gather(lanes_in_place[lo:hi], out=lanes_in_place)  # (in place: the full path)
+    assert (lanes_in_place == n).all()  # (every rank's shard, reduced in place above)
+    big = np.ones(count + 16, np.float32)
+    with pytest.raises(ValueError, match="partly overlaps"):
+        comm.reduce(big[:count], out=big[16:], root=0)
+    with pytest.raises(TypeError, match="differs from the input's float32"):
+        comm.reduce_scatter(x, out=np.empty(hi - lo, np.float64))
+    with pytest.raises(ValueError, match="out: has"):
+        comm.reduce_scatter(x, out=np.empty(hi - lo + 1, np.float32))
+    with pytest.raises(ValueError, match="shard: has"):
+        comm.all_gather(np.ones(hi - lo + 1, np.float32), out=np.empty(count, np.float32))
+    with pytest.raises(ValueError, match="unsupported op"):
+        comm.reduce_scatter(x, "median")
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        comm.reduce(np.ones(2 * count, np.float32)[::2], root=0)
+    with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+        comm.reduce_scatter(x)
+    assert "reduce_scatter: rank" in caplog.text
+    calls = comm._calls
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=rf"call {calls + 1}\b"):
+        comm.reduce_scatter(x, "sum" if r == 0 else "max")
