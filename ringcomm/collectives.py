@@ -97,16 +97,16 @@ def _small_host(comm: Any, x: Any, op: Any, out: Any) -> Any:
     return x if out is None else out
 
 
-def _lane_out(comm: Any, x: Any, flags: Any, out: Any, count: int) -> Any:
+def _lane_out(comm: Any, x: Any, flags: Any, out: Any, count: int, apart: bool = True) -> Any:
     """For a fast lane: the flat view of ``out`` when it is what the full path would take as the
     output of ``count`` elements of x (``flags``: x's) apart from x (a numpy array of x's dtype,
-    C-contiguous, writable), else None."""
+    C-contiguous, writable; ``apart`` False: wherever it lies), else None."""
     if type(out) is not np.ndarray or out.dtype is not x.dtype and out.dtype != x.dtype or out.size != count:
         return None
     owned, flags = flags.owndata, out.flags
     if not flags.c_contiguous or not flags.writeable:
         return None
-    if not (owned and flags.owndata):  # (two arrays that own their memory are apart)
+    if apart and not (owned and flags.owndata):  # (two arrays that own their memory are apart)
         # Two arrays found apart stay apart: from NumPy 2 a view's address never changes (its
         # data cannot be reassigned), nor its bytes while it stays contiguous (checked above)
         # (measured: 0.1 us less than may_share_memory)
@@ -205,13 +205,17 @@ def reduce_scatter(
     """
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str):
         # the lane of a count, dtype and op that ran in the window (see broadcast): x contiguous, a
-        # fresh result or an out apart from x (one that aliases x takes the full path's scratch)
+        # fresh result or an out of the shard's size (one that shares x's memory is folded into a
+        # fresh array first and copied, as the full path does through its scratch)
         lane = comm._lanes.get(("reduce_scatter", x.size, x.dtype, OPS.get(op)))
         if lane is not None and _lanes_open(comm) and (flags := x.flags).c_contiguous:
             ctx, run, shard = lane
-            result = np.empty(shard, x.dtype) if out is None else _lane_out(comm, x, flags, out, shard)
+            result = np.empty(shard, x.dtype) if out is None else _lane_out(comm, x, flags, out, shard, apart=False)
             if result is not None:
-                _run_lane(comm, ctx, run, result, x if x.ndim == 1 else x.reshape(-1))
+                into = result if out is None or not np.may_share_memory(result, x) else np.empty(shard, x.dtype)
+                _run_lane(comm, ctx, run, into, x if x.ndim == 1 else x.reshape(-1))
+                if into is not result:
+                    result[...] = into
                 return out if out is not None else result
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
@@ -332,16 +336,20 @@ def reduce(
     """
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str) and type(root) is int:
         # the lane of a count, dtype, op and root that ran in the window (see broadcast): x
-        # contiguous, and out None off the root or apart from x (in place at the root, the full
-        # path folds from a copy of x)
+        # contiguous, out None or apart from x; in place at the root (x writable) the root folds
+        # from a copy of x, as the full path does
         lane = comm._lanes.get(("reduce", x.size, x.dtype, OPS.get(op), root))
         if lane is not None and _lanes_open(comm) and (flags := x.flags).c_contiguous:
-            is_root = comm.rank == root
-            into = None if out is None else _lane_out(comm, x, flags, out, x.size)
-            if into is not None or out is None and not is_root:
+            is_root, src = comm.rank == root, x if x.ndim == 1 else x.reshape(-1)
+            if out is not None:  # (own None: the full path, with its messages)
+                into = _lane_out(comm, x, flags, out, x.size)
+                own = None if into is None else src
+            else:
+                into, own = (src, src.copy()) if is_root and flags.writeable else (None, None if is_root else src)
+            if own is not None:
                 ctx, run = lane
-                _run_lane(comm, ctx, run, into if is_root else None, x if x.ndim == 1 else x.reshape(-1))
-                return out if is_root else None
+                _run_lane(comm, ctx, run, into if is_root else None, own)
+                return (x if out is None else out) if is_root else None
     op = parse_op(op)
     root = _root(comm, root)
     kind, src, device = _input(comm, x, "x", op, stream)

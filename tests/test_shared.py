@@ -647,12 +647,22 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
             assert shards.tobytes() == np.concatenate(parts).tobytes()
     kinds = {"reduce_scatter", "reduce", "all_gather"}
     assert {key[0] for key in comm._lanes} == kinds
-    # the full path: the first call of each key, the reduces in place at the root, nothing else
+    # the full path: the first call of each key, nothing else
     assert launched.count("reduce_scatter") == 2 and launched.count("all_gather") == 1
-    rooted = sum(k % n == r for k in range(4))  # (the calls this rank made as the root, per op)
-    assert launched.count("reduce") == 2 * min(n, 4) + 2 * rooted, launched.count("reduce")
+    assert launched.count("reduce") == 2 * min(n, 4), launched.count("reduce")
     x = np.ones(count, np.float32)
-    assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all()  # (out aliases x: the scratch)
+    for _ in range(2):  # (out aliases x: folded apart, then copied, in the lane as in the full path)
+        x[...] = 1
+        assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all() and (np.delete(x, range(lo, hi)) == 1).all()
+    assert launched.count("reduce_scatter") == 2
+    ro = np.ones(count, np.float32)
+    ro.flags.writeable = False
+    if r == 0:
+        with pytest.raises(TypeError, match="read-only"):
+            comm.reduce(ro, root=0)  # (in place at the root)
+    else:
+        with pytest.raises(TypeError, match="dtype float64 differs"):
+            comm.reduce(x, root=0, out=np.empty(count, np.float64))  # (off the root too)
     lanes_in_place = x.copy()
     comm.all_gather(lanes_in_place[lo:hi], out=lanes_in_place)  # (in place: the full path)
     assert (lanes_in_place == n).all()  # (every rank's shard, reduced in place above)
