@@ -639,17 +639,20 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
             if r == root:
                 assert_matches(got, everyone, ReduceOp(op), "reduce")
             y = x.copy()
-            assert comm.reduce(y, op, root) is (None if r != root else y)  # (in place at the root: full path)
+            assert comm.reduce(y, op, root) is (None if r != root else y)  # (in place at the root: from a copy)
             assert r != root or y.tobytes() == got.tobytes()
+            y = x.copy()  # (out is x: in place too, never "apart")
+            assert comm.reduce(y, op, root, out=y) is (None if r != root else y)
+            assert (r != root or y.tobytes() == got.tobytes()) and (r == root or y.tobytes() == x.tobytes())
             shards = np.empty(count, np.float32)
             assert comm.all_gather(x[lo:hi].copy(), out=shards) is shards
             parts = [e[a:b] for e, (a, b) in zip(everyone, comm.shard_bounds(count))]
             assert shards.tobytes() == np.concatenate(parts).tobytes()
     kinds = {"reduce_scatter", "reduce", "all_gather"}
     assert {key[0] for key in comm._lanes} == kinds
-    # the full path: the first call of each key, nothing else
+    # the full path: the first call of each key, and the reduces with out x (8), nothing else
     assert launched.count("reduce_scatter") == 2 and launched.count("all_gather") == 1
-    assert launched.count("reduce") == 2 * min(n, 4), launched.count("reduce")
+    assert launched.count("reduce") == 2 * min(n, 4) + 8, launched.count("reduce")
     x = np.ones(count, np.float32)
     for _ in range(2):  # (out aliases x: folded apart, then copied, in the lane as in the full path)
         x[...] = 1
