@@ -603,16 +603,16 @@ class SharedGatherFold(GatherFold):
     def bound(self, ctx: Context) -> Any:
         """:meth:`run`'s steps with everything they look up found once (the fast lane's; no
         float32 accumulation there)."""
-        gather = self.gather
+        gather, device, op = self.gather, ctx.device, ctx.op
         window, sent, publish = gather.window, gather.sent, gather.publication(ctx)
-        sides = [(mine, fold.pieces) for mine, fold in self._sides]
-        fold_pieces, op, div = ctx.device.fold, ctx.op, self._n if ctx.op is AVG else 1
+        div = self._n if op is AVG else 1
+        sides = [(mine, device.folder(fold.pieces, op, div)) for mine, fold in self._sides]
 
         def run(work: Any, src: Any) -> int:
-            mine, pieces = sides[window.side]
+            mine, fold = sides[window.side]
             mine[...] = src
             publish()
-            fold_pieces(work, pieces, op, div)
+            fold(out=work)
             return sent
 
         return run

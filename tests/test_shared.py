@@ -688,3 +688,25 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
     calls = comm._calls
     with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match=rf"call {calls + 1}\b"):
         comm.reduce_scatter(x, "sum" if r == 0 else "max")
+
+
+def test_the_hosts_bound_fold_is_its_fold():
+    """HostDevice.folder (the small all-reduce lane's fold, bound once) gives fold's bits for every
+    op, dtype and divisor, whether it is the one ufunc call (one chunk, two views) or fold itself."""
+    from ringcomm.devices import HostDevice
+    from ringcomm.engine import Fold
+    from ringcomm.schedule import partition
+
+    host, rng = HostDevice(), np.random.default_rng(7)
+    for n, count in ((2, 5), (2, 40), (3, 5), (5, 100)):
+        for dtype in DTYPES:
+            for op in ReduceOp:
+                if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":
+                    continue
+                blocks = [random_input(rng, count, np.dtype(dtype), op) for _ in range(n)]
+                pieces = Fold(blocks, partition(count, n), n).pieces
+                div = n if op is ReduceOp.AVG else 1
+                want, got = np.empty(count, dtype), np.empty(count, dtype)
+                host.fold(want, pieces, op, div)
+                host.folder(pieces, op, div)(out=got)
+                assert got.tobytes() == want.tobytes(), (n, count, np.dtype(dtype), op)

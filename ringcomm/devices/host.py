@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,19 @@ class HostDevice:
                     ufunc(view, dst, out=dst)
             if div != 1:
                 np.divide(dst, div, dst)
+
+    def folder(self, pieces: Any, op: ReduceOp, div: int = 1) -> Any:
+        """``fold(out=work)``: :meth:`fold` of ``pieces`` with ``op`` and ``div``, bound once (a
+        small all-reduce's fast lane, engine.SharedGatherFold.bound); one chunk of two views,
+        undivided, is that one ufunc call itself (measured: 0.1 us less than the method)."""
+        if div == 1 and len(pieces) == 1 and pieces[0][0] is None and len(pieces[0][2]) == 2:
+            views = pieces[0][2]
+            return partial(UFUNCS[op], views[1], views[0])
+
+        def fold(out: np.ndarray) -> None:
+            self.fold(out, pieces, op, div)
+
+        return fold
 
     # ---- float32 accumulation (accumulate="float32"): half-type data, float32 partial sums
     # The same bits as the kernels of csrc/accumulate.cu: every NaN result is the positive quiet NaN
