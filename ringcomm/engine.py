@@ -533,7 +533,8 @@ class GatherFold:
     ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send:
     transports.mpi.GatheredBlocks (host: a persistent MPI_Allgather) or a :class:`Plan` of the
     ring's all-gather schedule (GPUs); :class:`SharedGatherFold` for the host's shared-memory
-    window (transports.shm.SharedBlocks, which the caller publishes: ``publication(ctx)()``). ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
+    window (transports.shm.SharedBlocks, which the caller publishes: ``publication(ctx)()``).
+    ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
     this rank copies its buffer, and where the N blocks then lie. ``reused``: the GPU gather's
     buffer (devices.Reused; None on the host), ordered after its last use. ``algorithm`` and
     ``link`` (the kind's transports.Link): what the DEBUG log names.

@@ -710,3 +710,34 @@ def test_the_hosts_bound_fold_is_its_fold():
                 host.fold(want, pieces, op, div)
                 host.folder(pieces, op, div)(out=got)
                 assert got.tobytes() == want.tobytes(), (n, count, np.dtype(dtype), op)
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 5])
+def test_the_lanes_at_every_count_are_exact_and_the_same_everywhere():
+    """Empty, one element, below N, not dividing N, and larger: the first call of each count runs the
+    full path, the next ones the lanes; every result is exact (small integers) against MPI's data,
+    and the same on every rank that holds it."""
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = make_comm()
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    for count in (0, 1, n - 1 or 1, 16 * n + 3, 1000):
+        lo, hi = comm.shard_bounds(count)[r]
+        for k in range(3):
+            x = rng.integers(0, 50, count).astype(np.float32)
+            everyone = gather_all(mpi, x)
+            total = np.sum(everyone, axis=0).astype(np.float32) if count else np.zeros(0, np.float32)
+            assert comm.reduce_scatter(x).tobytes() == total[lo:hi].tobytes(), (count, k)
+            root = k % n
+            got = comm.reduce(x, "sum", root, out=np.empty(count, np.float32))
+            assert (got is None) == (r != root) and (got is None or got.tobytes() == total.tobytes()), (count, k)
+            b = x.copy()
+            comm.broadcast(b, root)
+            assert b.tobytes() == everyone[root].tobytes(), (count, k)
+            out = np.empty(count, np.float32)
+            comm.all_gather(x[lo:hi].copy(), out=out)
+            parts = [e[a:c] for e, (a, c) in zip(everyone, comm.shard_bounds(count))]
+            assert out.tobytes() == np.concatenate(parts).tobytes(), (count, k)
+            assert mpi.allgather(out.tobytes()) == [out.tobytes()] * n
+    assert {key[0] for key in comm._lanes} == {"reduce_scatter", "reduce", "broadcast", "all_gather"}
+    comm.close()
