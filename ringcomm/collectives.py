@@ -15,7 +15,7 @@ from weakref import ref
 import numpy as np
 
 from . import schedule
-from .arrays import classify, default_stream, flat, relation, writable
+from .arrays import classify, default_stream, flat, relation, span, writable
 from .engine import Context
 from .ops import AVG, HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
 
@@ -252,14 +252,19 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     """
     if type(shard) is np.ndarray and stream is None and type(out) is np.ndarray:
         # the lane of an out's count and dtype that ran in the window (see broadcast): shard
-        # contiguous, of its size, and apart from out (in place, the full path finds its place)
+        # contiguous, of its size, and apart from out, or in place: this rank's place in out (a
+        # view of out's memory at its address; the full path refuses any other overlap)
         lane = comm._lanes.get(("all_gather", out.size, out.dtype))
         if lane is not None and _lanes_open(comm) and (flags := shard.flags).c_contiguous:
             ctx, run, lo, hi = lane
-            if shard.size == hi - lo and (work := _lane_out(comm, shard, flags, out, out.size)) is not None:
-                work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
-                _run_lane(comm, ctx, run, work, work)
-                return out
+            if shard.size == hi - lo:
+                in_place = (base := shard.base) is not None and (base is out or base is out.base)
+                work = _lane_out(comm, shard, flags, out, out.size, apart=not in_place)
+                if work is not None and (not in_place or span(shard)[0] == span(out)[0] + lo * out.itemsize):
+                    if not in_place:
+                        work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
+                    _run_lane(comm, ctx, run, work, work)
+                    return out
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)

@@ -61,6 +61,11 @@ SHARED_TOTAL_BYTES = 32 << 20
 #: yielding at once); with more ranks than cores it yields at once (the rank it waits for may need
 #: this core; measured: spinning first is slower at N = 4)
 SHARED_SPINS = 50
+#: at 2 ranks an all-gather's shard runs in the window up to this size: beyond it MPI's single-copy
+#: ring (the receiver reads the sender's buffer) is faster, in place twice as fast (the window
+#: copies each shard in and out; measured on 2 cores: shards of 256 KiB-2 MiB 0.26-0.36 of MPICH in
+#: place against the ring's 0.54-0.83; out of place 0.76-0.96 against 0.78-0.86)
+SHARED_PAIR_SHARD = 128 << 10
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank and the communicator's number (int64), then the error in UTF-8
@@ -556,12 +561,12 @@ class Communicator:
         window (:func:`_place`; there is one): an all-reduce up to its inbox (at N = 2 to 7/8
         of it: from 1.75 to 2 MiB there MPI's single-copy ring catches up, and passes it in place,
         measured 310 against 285 us at 2 MiB; engine.SharedDirectPlan; smaller ones gather in its
-        slots), an all-gather's shard and a
+        slots), an all-gather's shard (at N = 2 up to SHARED_PAIR_SHARD) and a
         reduce-scatter's or a reduce's buffer up to its inbox, a broadcast up to its slots, and of
         3 or more ranks up to its inbox (engine.SharedPlacesPlan). (Measured on 2 cores against
         the ring at N = 2 from 128 KiB to
-        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers 0.7-1.45x against
-        0.57-0.85x; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
+        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers out of place 0.7-1.45x
+        against 0.57-0.85x, but in place, from 256 KiB shards, half the ring's speed; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
         128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy
         in and the other's copy out follow each other where MPICH's one message is one copy; at
         N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce
@@ -571,6 +576,8 @@ class Communicator:
         window = self._shared
         if collective == "all_reduce":
             return window.direct if self.size > 2 else window.direct * 7 // 8
+        if collective == "all_gather" and self.size == 2:
+            return min(max(window.small, window.direct), SHARED_PAIR_SHARD)
         if collective in ("all_gather", "reduce_scatter", "reduce") or collective == "broadcast" and self.size > 2:
             return max(window.small, window.direct)
         return window.small

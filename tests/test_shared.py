@@ -534,7 +534,8 @@ def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
 def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
     """At 2 ranks an all-reduce runs in the window up to 7/8 of its inbox (from there MPI's
     single-copy ring is as fast, and faster in place), the ring beyond; at 3 or more up to the
-    inbox, as the other collectives do."""
+    inbox, as reduce-scatters do; all-gathers at 2 ranks up to shards of SHARED_PAIR_SHARD (the
+    single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox."""
     comm = make_comm()
     n, inbox = comm.size, comm.shared_memory()[1]
     limit = inbox * 7 // 8 if n == 2 else inbox
@@ -548,6 +549,13 @@ def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
     with caplog.at_level(logging.DEBUG, logger="ringcomm"):
         comm.reduce_scatter(x)
     assert "(shared memory)" in caplog.text.splitlines()[-1], caplog.text
+    pair = communicator.SHARED_PAIR_SHARD  # all-gathers: at 2 ranks shards up to it, else up to the inbox
+    for shard_bytes, shared in ((pair, True), (pair + 64, n > 2 and pair + 64 <= inbox)):
+        shard = np.full(shard_bytes // 4, comm.rank, np.float32)
+        with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+            out = comm.all_gather(shard)
+        assert ("(shared memory)" in caplog.text.splitlines()[-1]) == shared, (shard_bytes, caplog.text)
+        assert (out == np.repeat(np.arange(n, dtype=np.float32), shard.size)).all()
     comm.close()
 
 
@@ -666,9 +674,18 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
     else:
         with pytest.raises(TypeError, match="dtype float64 differs"):
             comm.reduce(x, root=0, out=np.empty(count, np.float64))  # (off the root too)
-    lanes_in_place = x.copy()
-    comm.all_gather(lanes_in_place[lo:hi], out=lanes_in_place)  # (in place: the full path)
-    assert (lanes_in_place == n).all()  # (every rank's shard, reduced in place above)
+    for k in range(3):  # in place: the lane, when the shard is this rank's place in out (a fresh view each time)
+        whole = np.full(count, -1.0, np.float32)
+        whole[lo:hi] = x[lo:hi] + k
+        assert comm.all_gather(whole[lo:hi], out=whole) is whole
+        assert (whole == n + k).all()  # (every rank's shard, reduced in place above)
+    assert launched.count("all_gather") == 1
+    buf = np.zeros(count + 8, np.float32)
+    whole = buf[4:count + 4]
+    elsewhere = (lo + 4) % (count - (hi - lo) + 1)  # another place in out, or over it from out's start
+    for shard in (buf[lo + 3:hi + 3], whole[elsewhere:elsewhere + hi - lo] if elsewhere != lo else buf[:hi - lo]):
+        with pytest.raises(ValueError, match="shard overlaps out but is not out"):
+            comm.all_gather(shard, out=whole)
     big = np.ones(count + 16, np.float32)
     with pytest.raises(ValueError, match="partly overlaps"):
         comm.reduce(big[:count], out=big[16:], root=0)
