@@ -478,13 +478,13 @@ class SharedPlacesPlan:
         self.steps = 2 if shared.twice else 1  # (the waits, for the DEBUG log)
         self._what = self._WHAT[ctx.collective]
         chunks = [(q, slice(lo, hi)) for q, (lo, hi) in enumerate(bounds) if hi > lo]
-        mine = slice(*bounds[p])  # what this rank folds: its chunk (a reduce's root: the whole buffer)
         whole = slice(0, bounds[-1][1])  # (a broadcast's or reduce's bounds: the chain's pieces of the buffer)
+        # what this rank folds: its chunk (a reduce's root: the whole buffer)
+        mine = whole if ctx.collective in ("broadcast", "reduce") else slice(*bounds[p])
         folding = ctx.collective == "reduce_scatter" or ctx.collective == "reduce" and me == root
         if ctx.collective == "broadcast":
             writes, reads = ([(whole, me)], []) if me == root else ([], [(whole, root)])
         elif ctx.collective == "reduce":
-            mine = whole
             writes, reads = [] if me == root else [(whole, me)], []
         elif ctx.collective == "all_gather":  # (a place holds one shard, from its start)
             writes = [(at, me) for q, at in chunks if q == p]

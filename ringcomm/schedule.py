@@ -177,7 +177,11 @@ def format_ring(nodes: Sequence[str]) -> str:
 
 
 def chain_chunks(n: int, count: int, itemsize: int, piece_bytes: int) -> int:
-    """Number of pipeline pieces for broadcast/reduce: at least N, about ``piece_bytes`` each, at most 8N."""
+    """Number of pipeline pieces for broadcast/reduce: at least N, about ``piece_bytes`` each, at most 8N;
+    one for 2 ranks (or 1), whose chain of one hop has nothing to overlap: its one step posts all its
+    messages at once (measured: a 1 MiB broadcast 69 -> 64 us, MPICH's 52)."""
+    if n <= 2:
+        return 1
     want = -(-count * itemsize // max(1, piece_bytes))
     return max(n, min(8 * n, want))
 

@@ -74,13 +74,22 @@ def test_all_reduce_reduce_scatter_all_gather_simulated(n, count, op, seed):
 @given(ranks, counts, st.data())
 def test_broadcast_and_reduce_simulated(n, count, data):
     root = data.draw(st.integers(0, n - 1))
-    nchunks = data.draw(st.integers(n, 3 * n))
+    nchunks = data.draw(st.integers(1 if n <= 2 else n, 3 * n))  # (two ranks' chains have one piece)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     inputs, _, out = run("broadcast", n, count, rng, root=root, nchunks=nchunks)
     for r in range(n):
         assert out[r].tobytes() == inputs[root].tobytes()
     inputs, _, out = run("reduce", n, count, rng, root=root, nchunks=nchunks)
     np.testing.assert_allclose(out[root], np.sum(np.stack(inputs), axis=0), rtol=1e-12)
+
+
+def test_chain_pieces():
+    """A chain pipelines at least N pieces of about piece_bytes, at most 8N; two ranks' one hop has
+    nothing to overlap: one piece, one step whose messages are all posted at once."""
+    assert [schedule.chain_chunks(n, 1 << 20, 4, 1 << 20) for n in (1, 2, 3, 4)] == [1, 1, 4, 4]
+    assert [schedule.chain_chunks(n, 16, 4, 1 << 20) for n in (2, 3, 5)] == [1, 3, 5]
+    assert schedule.chain_chunks(3, 1 << 30, 1, 1 << 20) == 24
+    assert len(schedule.broadcast(2, 1, 0, schedule.chain_chunks(2, 1 << 24, 4, 1 << 20))) == 1
 
 
 @given(ranks)
