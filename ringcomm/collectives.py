@@ -127,12 +127,19 @@ def _lanes_open(comm: Any) -> bool:
 
 
 def _new_lane(comm: Any, plan: Any, collective: str, dtype: np.dtype, op: ReduceOp | None, root: int) -> tuple:
-    """``(ctx, run)``: a lane for later calls like one that just ran the shared-memory window's
-    ``plan`` (Communicator._lanes): a Context of its own, which its calls reuse, and the plan's
-    run bound to it."""
+    """``(ctx, run)``: a lane for later calls like one that just ran the cached ``plan``
+    (Communicator._lanes): a Context of its own, which its calls reuse, and the plan's run bound
+    to it."""
     ctx = Context(collective, comm, comm._host, dtype, op)
     ctx.root = root
     return ctx, partial(plan.run, ctx)
+
+
+def _lane_address(plan: Any, work: Any) -> int | None:
+    """Where a lane's ``work`` must lie for the lane to run ``plan`` again: anywhere (None) for the
+    window's plans, at ``work``'s address for a Plan (bound to its buffers' addresses, as the
+    Communicator finds it; a call elsewhere takes the full path, which finds or makes its plan)."""
+    return span(work)[0] if plan.by_address else None
 
 
 def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
@@ -251,20 +258,21 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
     """
     if type(shard) is np.ndarray and stream is None and type(out) is np.ndarray:
-        # the lane of an out's count and dtype that ran in the window (see broadcast): shard
+        # the lane of an out's count and dtype whose cached plan ran (see broadcast): shard
         # contiguous, of its size, and apart from out, or in place: this rank's place in out (a
         # view of out's memory at its address; the full path refuses any other overlap)
         lane = comm._lanes.get(("all_gather", out.size, out.dtype))
         if lane is not None and _lanes_open(comm) and (flags := shard.flags).c_contiguous:
-            ctx, run, lo, hi = lane
-            if shard.size == hi - lo:
-                in_place = (base := shard.base) is not None and (base is out or base is out.base)
-                work = _lane_out(comm, shard, flags, out, out.size, apart=not in_place)
-                if work is not None and (not in_place or span(shard)[0] == span(out)[0] + lo * out.itemsize):
-                    if not in_place:
-                        work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
-                    _run_lane(comm, ctx, run, work, work)
-                    return out
+            ctx, run, lo, hi, at = lane
+            in_place = (base := shard.base) is not None and (base is out or base is out.base)
+            where = span(out)[0] if in_place or at is not None else None
+            if (shard.size == hi - lo and (at is None or where == at)
+                    and (work := _lane_out(comm, shard, flags, out, out.size, apart=not in_place)) is not None
+                    and (not in_place or span(shard)[0] == where + lo * out.itemsize)):
+                if not in_place:
+                    work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
+                _run_lane(comm, ctx, run, work, work)
+                return out
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)
@@ -298,22 +306,23 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     plan = comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
     if plan is not None and out is not None:  # (the bounds of out's count: those of later such calls)
         comm._lanes["all_gather", work.size, src.dtype] = (*_new_lane(comm, plan, "all_gather", src.dtype, None, -1),
-                                                          lo, hi)
+                                                          lo, hi, _lane_address(plan, work))
     return out if out is not None else work
 
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
     if type(x) is np.ndarray and stream is None and type(root) is int:
-        # The fast lane of a host broadcast in the shared-memory window of a count, dtype and root
-        # that ran there before (so checked then): the checks that depend on x, then the call,
-        # numbered as _launch would (not when the full path has more to do: see _small_host).
+        # The fast lane of a host broadcast of a count, dtype and root whose cached plan ran before
+        # (so checked then; the window's, or a Plan when x lies where it did): the checks that
+        # depend on x, then the call, numbered as _launch would (not when the full path has more
+        # to do: see _small_host).
         lane = comm._lanes.get(("broadcast", x.size, x.dtype, root))
         if lane is not None and _lanes_open(comm):
             flags = x.flags
-            if flags.c_contiguous and (flags.writeable or comm.rank == root):
+            ctx, run, at = lane
+            if flags.c_contiguous and (flags.writeable or comm.rank == root) and (at is None or span(x)[0] == at):
                 buf = x if x.ndim == 1 else x.reshape(-1)
-                ctx, run = lane
                 _run_lane(comm, ctx, run, buf, buf)
                 return x
     root = _root(comm, root)
@@ -325,8 +334,9 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     ctx = Context("broadcast", comm, device, buf.dtype, None)
     steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
     plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
-    if plan is not None:  # in the window: the next such call takes the lane
-        comm._lanes["broadcast", buf.size, buf.dtype, root] = _new_lane(comm, plan, "broadcast", buf.dtype, None, root)
+    if plan is not None:  # cached: the next such call takes the lane
+        comm._lanes["broadcast", buf.size, buf.dtype, root] = (*_new_lane(comm, plan, "broadcast", buf.dtype, None, root),
+                                                              _lane_address(plan, buf))
     return x
 
 

@@ -499,7 +499,8 @@ class Communicator:
         root: int = -1, agreed: bool = False,
     ) -> Any:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
-        Returns the shared-memory window's plan when one ran, else None.
+        Returns the cached plan that ran (the shared-memory window's, or a Plan or DirectPlan bound
+        to the buffers' addresses: ``plan.by_address``), else None.
 
         On the host with a shared-memory window, all-reduces, broadcasts and all-gathers that fit
         it run there, with no message (:meth:`_window_plan`; a reduce-scatter and a reduce look for
@@ -527,7 +528,7 @@ class Communicator:
                 plan = self._cache(key, made)
             algorithm, nsteps = ("direct", 2) if direct else ("ring", len(steps))
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
-            return None
+            return plan
         self._launch(ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link,
                      result_chunks)
         if ctx.wide:

@@ -202,6 +202,9 @@ class _Prepared:
     number modulo PLAN_CALLS, op and accumulation (a request's tag is fixed), and what happens to
     them after an error."""
 
+    #: bound to its buffers' addresses (a later call runs it only on arrays that lie there)
+    by_address = True
+
     def __init__(self) -> None:
         self._prepared: tuple[dict, ...] = tuple({} for _ in range(PLAN_CALLS))
         self._dead = False
@@ -413,7 +416,7 @@ class SharedDirectPlan:
     is looked up by collective, dtype and bounds alone; it owns no memory (``nbytes`` 0).
     """
 
-    nbytes = 0
+    nbytes, by_address = 0, False
     algorithm, steps = "direct (shared memory)", 2
 
     def __init__(self, ctx: Context, bounds: Bounds, shared: Any) -> None:
@@ -465,7 +468,7 @@ class SharedPlacesPlan:
     and bounds); owns no memory (``nbytes`` 0). ``sent``: the bytes the ring (or chain) would
     send from this rank, :func:`sent_bytes`."""
 
-    nbytes = 0
+    nbytes, by_address = 0, False
     #: (what a rank publishes first, what second), for errors, by collective
     _WHAT = {"broadcast": ("part of the broadcast", "copy of the broadcast"),
              "all_gather": ("shard", "copy of the shards"),

@@ -11,7 +11,7 @@ from conftest import gather_all, make_comm, reference, shared_seed
 from mpi4py import MPI
 
 import ringcomm
-from ringcomm import communicator
+from ringcomm import communicator, engine
 from ringcomm.ops import ReduceOp
 
 
@@ -69,6 +69,44 @@ def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
     before = set(comm._plans)
     assert (comm.all_reduce(big) == n).all()
     assert set(comm._plans) <= before
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_broadcasts_and_all_gathers_take_a_plans_lane_where_its_arrays_lie(shared):
+    """Once a broadcast or an all-gather ran a Plan (bound to its buffers' addresses), the next such
+    call whose arrays lie at those addresses takes its lane (collectives._lane_address; no _launch);
+    one elsewhere takes the full path, which finds or makes the plan there, and the lane follows it;
+    an all-gather in place takes it too, a shard that is not this rank's place in out is the full
+    path's ValueError. Every result is MPI's data, every root."""
+    mpi = MPI.COMM_WORLD
+    comm = make_comm(small_bytes=1024, shared_memory=shared)
+    n, r = comm.size, comm.rank
+    launched = []
+    launch = comm._launch
+    comm._launch = lambda ctx, *args: (launched.append(ctx.collective), launch(ctx, *args))
+    count = (communicator.SHARED_BYTES // 8 if shared else 4096) * n + 5  # beyond the window when there is one
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    pool = np.zeros(2 * count + 8)
+    lo, hi = comm.shard_bounds(count)[r]
+    for k in range(8):
+        at = pool[(k // 4) * count:][:count]  # two addresses, four calls each, a fresh view every call
+        for root in range(n):
+            at[...] = rng.standard_normal(count)
+            want = gather_all(mpi, at)[root]
+            assert comm.broadcast(at, root) is at and at.tobytes() == want.tobytes(), (k, root)
+        shard = rng.standard_normal(hi - lo)
+        want = np.concatenate(gather_all(mpi, shard))
+        assert comm.all_gather(shard, out=at) is at and at.tobytes() == want.tobytes(), k
+        at[...] = 0
+        at[lo:hi] = shard
+        assert comm.all_gather(at[lo:hi], out=at) is at and at.tobytes() == want.tobytes(), k
+    assert all(isinstance(plan, engine.Plan) for plan in comm._plans.values()), comm._plans
+    # the full path: the first call of each root and of the all-gather at each address, nothing else
+    assert launched == (["broadcast"] * n + ["all_gather"]) * 2, launched
+    with pytest.raises(ValueError, match="shard overlaps out but is not out"):
+        comm.all_gather(at[lo + 1 : hi + 1] if lo == 0 else at[lo - 1 : hi - 1], out=at)
     comm.close()
 
 
