@@ -61,11 +61,13 @@ SHARED_TOTAL_BYTES = 32 << 20
 #: yielding at once); with more ranks than cores it yields at once (the rank it waits for may need
 #: this core; measured: spinning first is slower at N = 4)
 SHARED_SPINS = 50
-#: at 2 ranks an all-gather's shard runs in the window up to this size: beyond it MPI's single-copy
-#: ring (the receiver reads the sender's buffer) is faster, in place twice as fast (the window
-#: copies each shard in and out; measured on 2 cores: shards of 256 KiB-2 MiB 0.26-0.36 of MPICH in
-#: place against the ring's 0.54-0.83; out of place 0.76-0.96 against 0.78-0.86)
+#: at 2 ranks an all-gather's shard, and a broadcast, run in the window up to these sizes: beyond
+#: them MPI's one message (the receiver reads the sender's buffer: one copy) is faster than the
+#: window's copy in and copy out (measured on 2 cores: all-gathers of 256 KiB-2 MiB shards 0.26-0.36
+#: of MPICH in place against the ring's 0.54-0.83, out of place 0.76-0.96 against 0.78-0.86; a
+#: broadcast of 64 KiB 8.2 us against the chain's 6.8, of 32 KiB 5.2 against 5.4)
 SHARED_PAIR_SHARD = 128 << 10
+SHARED_PAIR_BROADCAST = 32 << 10
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank and the communicator's number (int64), then the error in UTF-8
@@ -240,8 +242,9 @@ class Communicator:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
         (and small_bytes) gather there, those up to ``direct`` (at 2 ranks 7/8 of it) run the
         shared direct all-reduce;
-        broadcasts run there up to ``small`` (and at 3 or more ranks up to ``direct``), the other
-        collectives up to ``direct`` (_window_limit);
+        broadcasts run there up to ``small`` (at 2 ranks at most SHARED_PAIR_BROADCAST, at 3 or
+        more up to ``direct``), the other collectives up to ``direct`` (an all-gather's shard at 2
+        ranks at most SHARED_PAIR_SHARD; _window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
@@ -563,8 +566,9 @@ class Communicator:
         of it: from 1.75 to 2 MiB there MPI's single-copy ring catches up, and passes it in place,
         measured 310 against 285 us at 2 MiB; engine.SharedDirectPlan; smaller ones gather in its
         slots), an all-gather's shard (at N = 2 up to SHARED_PAIR_SHARD) and a
-        reduce-scatter's or a reduce's buffer up to its inbox, a broadcast up to its slots, and of
-        3 or more ranks up to its inbox (engine.SharedPlacesPlan). (Measured on 2 cores against
+        reduce-scatter's or a reduce's buffer up to its inbox, a broadcast of 2 ranks up to its
+        slots (and SHARED_PAIR_BROADCAST), of 3 or more ranks up to its inbox
+        (engine.SharedPlacesPlan). (Measured on 2 cores against
         the ring at N = 2 from 128 KiB to
         2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers out of place 0.7-1.45x
         against 0.57-0.85x, but in place, from 256 KiB shards, half the ring's speed; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
@@ -581,7 +585,7 @@ class Communicator:
             return min(max(window.small, window.direct), SHARED_PAIR_SHARD)
         if collective in ("all_gather", "reduce_scatter", "reduce") or collective == "broadcast" and self.size > 2:
             return max(window.small, window.direct)
-        return window.small
+        return min(window.small, SHARED_PAIR_BROADCAST)  # (a broadcast at 2 ranks)
 
     def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
         """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;

@@ -348,10 +348,10 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
 
     cases = (
         ("all_reduce", lambda c, d, s: c.all_reduce(across(c, c._window_limit("all_reduce")))),
-        ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s), 0)),
-        ("broadcast", lambda c, d, s: c.broadcast(across(c, d if n > 2 else s, outside=1), 0)),  # (nothing is sent)
+        ("broadcast", lambda c, d, s: c.broadcast(across(c, c._window_limit("broadcast")), 0)),
+        ("broadcast", lambda c, d, s: c.broadcast(across(c, c._window_limit("broadcast"), outside=1), 0)),  # (nothing is sent)
         ("reduce_scatter", lambda c, d, s: c.reduce_scatter(across(c, d))),
-        ("all_gather", lambda c, d, s: gather_in_place(c, across(c, n * d))),
+        ("all_gather", lambda c, d, s: gather_in_place(c, across(c, n * c._window_limit("all_gather")))),
         ("reduce", lambda c, d, s: c.reduce(across(c, d))),  # (the root outside)
         ("reduce", lambda c, d, s: c.reduce(across(c, d, outside=1))),
         ("reduce", lambda c, d, s: c.reduce(np.ones(100, np.float32)) if r else c.all_reduce(np.ones(100, np.float32))),
@@ -535,7 +535,9 @@ def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
     """At 2 ranks an all-reduce runs in the window up to 7/8 of its inbox (from there MPI's
     single-copy ring is as fast, and faster in place), the ring beyond; at 3 or more up to the
     inbox, as reduce-scatters do; all-gathers at 2 ranks up to shards of SHARED_PAIR_SHARD (the
-    single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox."""
+    single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox; broadcasts at
+    2 ranks up to the slots and SHARED_PAIR_BROADCAST (the chain's one message beyond), at 3 or
+    more up to the inbox."""
     comm = make_comm()
     n, inbox = comm.size, comm.shared_memory()[1]
     limit = inbox * 7 // 8 if n == 2 else inbox
@@ -556,6 +558,14 @@ def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
             out = comm.all_gather(shard)
         assert ("(shared memory)" in caplog.text.splitlines()[-1]) == shared, (shard_bytes, caplog.text)
         assert (out == np.repeat(np.arange(n, dtype=np.float32), shard.size)).all()
+    bcast = comm._window_limit("broadcast")  # broadcasts: at 2 ranks up to the slots and SHARED_PAIR_BROADCAST
+    assert bcast == (min(comm.shared_memory()[0], communicator.SHARED_PAIR_BROADCAST) if n == 2 else inbox)
+    for nbytes, shared in ((bcast, True), (bcast + 64, False)):
+        x = np.full(nbytes // 4, comm.rank, np.float32)
+        with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+            comm.broadcast(x, 1)
+        assert ("(shared memory)" in caplog.text.splitlines()[-1]) == shared, (nbytes, caplog.text)
+        assert (x == 1).all()
     comm.close()
 
 

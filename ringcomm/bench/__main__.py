@@ -357,7 +357,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window[0], comm._window_limit("all_reduce")
-        bcast, places = comm._window_limit("broadcast"), comm._window_limit("reduce_scatter")
+        bcast, shard, places = (comm._window_limit(c) for c in ("broadcast", "all_gather", "reduce_scatter"))
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
@@ -365,9 +365,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + "; bitwise the ring's result"
                      + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
                         "out by the others)" if bcast else "")
-                     + (f"; all_gather up to {places} B a shard: copy (shared memory); reduce_scatter and reduce up "
-                        f"to {places} B: fold (shared memory: each rank folds its shard, the root the whole buffer, from "
-                        "every rank's buffer in the window)" if places else "")
+                     + (f"; all_gather up to {shard} B a shard: copy (shared memory)" if shard else "")
+                     + (f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
+                        "the root the whole buffer, from every rank's buffer in the window)" if places else "")
                      + "; above: ring, and chain for broadcast and reduce (host buffers up to "
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
     else:
