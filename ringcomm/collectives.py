@@ -213,13 +213,15 @@ def reduce_scatter(
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str):
         # the lane of a count, dtype and op that ran in the window (see broadcast): x contiguous, a
         # fresh result or an out of the shard's size (one that shares x's memory is folded into a
-        # fresh array first and copied, as the full path does through its scratch)
+        # fresh array first and copied, as the full path does through its scratch, but at 2 ranks
+        # x's own shard: see below)
         lane = comm._lanes.get(("reduce_scatter", x.size, x.dtype, OPS.get(op)))
         if lane is not None and _lanes_open(comm) and (flags := x.flags).c_contiguous:
-            ctx, run, shard = lane
-            result = np.empty(shard, x.dtype) if out is None else _lane_out(comm, x, flags, out, shard, apart=False)
+            ctx, run, lo, hi = lane
+            result = np.empty(hi - lo, x.dtype) if out is None else _lane_out(comm, x, flags, out, hi - lo, apart=False)
             if result is not None:
-                into = result if out is None or not np.may_share_memory(result, x) else np.empty(shard, x.dtype)
+                into = result if out is None or not np.may_share_memory(result, x) or (
+                    comm.size == 2 and span(result)[0] == span(x)[0] + lo * x.itemsize) else np.empty(hi - lo, x.dtype)
                 _run_lane(comm, ctx, run, into, x if x.ndim == 1 else x.reshape(-1))
                 if into is not result:
                     result[...] = into
@@ -236,13 +238,15 @@ def reduce_scatter(
     chunks = comm._in_ring(bounds)
     plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, chunks, -1)
     if plan is not None:  # the window folds this rank's chunk straight into the result, unless out aliases x
-        into = result if relation(result, src) == "apart" else comm._scratch_array(kind, device, hi - lo, src.dtype)
+        # (but at 2 ranks out may be x's own shard: its fold is one op, whose last operand is that shard)
+        into = result if relation(result, src) == "apart" or comm.size == 2 and relation(result, src[lo:hi]) == "same" \
+            else comm._scratch_array(kind, device, hi - lo, src.dtype)
         comm._launch(ctx, src.size, -1, False, plan.algorithm, comm._transport(kind), plan.steps, plan.run, into, src)
         if into is not result:
             device.copy(result, into)
             comm._scratch_done(kind, device)
         comm._lanes["reduce_scatter", src.size, src.dtype, op] = (
-            *_new_lane(comm, plan, "reduce_scatter", src.dtype, op, -1), hi - lo)
+            *_new_lane(comm, plan, "reduce_scatter", src.dtype, op, -1), lo, hi)
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype)
         comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position])
@@ -265,14 +269,14 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         if lane is not None and _lanes_open(comm) and (flags := shard.flags).c_contiguous:
             ctx, run, lo, hi, at = lane
             in_place = (base := shard.base) is not None and (base is out or base is out.base)
-            where = span(out)[0] if in_place or at is not None else None
-            if (shard.size == hi - lo and (at is None or where == at)
-                    and (work := _lane_out(comm, shard, flags, out, out.size, apart=not in_place)) is not None
-                    and (not in_place or span(shard)[0] == where + lo * out.itemsize)):
-                if not in_place:
-                    work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
-                _run_lane(comm, ctx, run, work, work)
-                return out
+            work = _lane_out(comm, shard, flags, out, out.size, apart=not in_place) if shard.size == hi - lo else None
+            if work is not None:  # (contiguous: its address can be read)
+                where = span(work)[0] if in_place or at is not None else None
+                if (at is None or where == at) and (not in_place or span(shard)[0] == where + lo * out.itemsize):
+                    if not in_place:
+                        work[lo:hi] = shard if shard.ndim == 1 else shard.reshape(-1)
+                    _run_lane(comm, ctx, run, work, work)
+                    return out
     kind, src, device = _input(comm, shard, "shard", None, stream)
     n, r = comm.size, comm.rank
     ctx = Context("all_gather", comm, device, src.dtype, None)

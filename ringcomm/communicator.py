@@ -61,13 +61,13 @@ SHARED_TOTAL_BYTES = 32 << 20
 #: yielding at once); with more ranks than cores it yields at once (the rank it waits for may need
 #: this core; measured: spinning first is slower at N = 4)
 SHARED_SPINS = 50
-#: at 2 ranks an all-gather's shard, and a broadcast, run in the window up to these sizes: beyond
-#: them MPI's one message (the receiver reads the sender's buffer: one copy) is faster than the
-#: window's copy in and copy out (measured on 2 cores: all-gathers of 256 KiB-2 MiB shards 0.26-0.36
-#: of MPICH in place against the ring's 0.54-0.83, out of place 0.76-0.96 against 0.78-0.86; a
-#: broadcast of 64 KiB 8.2 us against the chain's 6.8, of 32 KiB 5.2 against 5.4)
-SHARED_PAIR_SHARD = 128 << 10
-SHARED_PAIR_BROADCAST = 32 << 10
+#: at 2 ranks an all-reduce, an all-gather's shard and a broadcast run in the window up to these
+#: sizes: beyond them MPI's one message per rank (the receiver reads the sender's buffer: one copy)
+#: is faster than the window's copy in and copy out (measured on 2 cores: an all-reduce from 1.75
+#: MiB, in place 310 us in the window against the ring's 285 at 2 MiB; all-gathers of 256 KiB-2 MiB
+#: shards 0.26-0.36 of MPICH in place against the ring's 0.54-0.83, out of place 0.76-0.96 against
+#: 0.78-0.86; a broadcast of 64 KiB 8.2 us against the chain's 6.8, of 32 KiB 5.2 against 5.4)
+SHARED_PAIR_LIMITS = {"all_reduce": 7 << 18, "all_gather": 128 << 10, "broadcast": 32 << 10}
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank and the communicator's number (int64), then the error in UTF-8
@@ -185,9 +185,10 @@ class Communicator:
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
         self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
-        #: fast lanes of host calls in the shared-memory window other than small all-reduces (whose
-        #: gathers keep theirs): (ctx, run, ...) by collective, count, dtype, op, root (collectives;
-        #: dropped with the plans they run)
+        #: fast lanes of host calls that ran a cached plan (the shared-memory window's; a broadcast's
+        #: or all-gather's Plan, at its buffers' addresses), but small all-reduces (whose gathers keep
+        #: theirs): (ctx, run, ...) by collective, count, dtype, op, root (collectives; dropped with
+        #: the plans they run)
         self._lanes: dict[tuple, tuple] = {}
         #: weak references to the (x, out) of the last small all-reduce found apart by
         #: np.may_share_memory (collectives._small_host; None: none yet)
@@ -240,11 +241,10 @@ class Communicator:
 
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
-        (and small_bytes) gather there, those up to ``direct`` (at 2 ranks 7/8 of it) run the
-        shared direct all-reduce;
-        broadcasts run there up to ``small`` (at 2 ranks at most SHARED_PAIR_BROADCAST, at 3 or
-        more up to ``direct``), the other collectives up to ``direct`` (an all-gather's shard at 2
-        ranks at most SHARED_PAIR_SHARD; _window_limit);
+        (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
+        broadcasts run there up to ``small`` (at 3 or more ranks up to ``direct``), the other
+        collectives up to ``direct`` (at 2 ranks all-reduces, all-gathers and broadcasts at most
+        SHARED_PAIR_LIMITS; _window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
@@ -562,30 +562,25 @@ class Communicator:
 
     def _window_limit(self, collective: str) -> int:
         """The most bytes a host ``collective`` writes into a rank's place in the shared-memory
-        window (:func:`_place`; there is one): an all-reduce up to its inbox (at N = 2 to 7/8
-        of it: from 1.75 to 2 MiB there MPI's single-copy ring catches up, and passes it in place,
-        measured 310 against 285 us at 2 MiB; engine.SharedDirectPlan; smaller ones gather in its
-        slots), an all-gather's shard (at N = 2 up to SHARED_PAIR_SHARD) and a
-        reduce-scatter's or a reduce's buffer up to its inbox, a broadcast of 2 ranks up to its
-        slots (and SHARED_PAIR_BROADCAST), of 3 or more ranks up to its inbox
-        (engine.SharedPlacesPlan). (Measured on 2 cores against
-        the ring at N = 2 from 128 KiB to
-        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, all-gathers out of place 0.7-1.45x
-        against 0.57-0.85x, but in place, from 256 KiB shards, half the ring's speed; a broadcast against the chain: at N = 2, 1.5-2x faster up to 32 KiB, but from
-        128 KiB slower, 0.24-0.63 of MPICH against the chain's 0.45-0.85, since the root's copy
-        in and the other's copy out follow each other where MPICH's one message is one copy; at
-        N = 4, 1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce
-        against the chain: 2-3x faster up to 32 KiB at N = 2 and 4, 1.3-2x from 32 KiB to the inbox
-        at N = 2 and 3, at N = 4 from 32 KiB to 2 MiB, and even at 4 MiB, where the root's fold
-        of four buffers on one core meets the chain's folds spread over the ranks.)"""
+        window (:func:`_place`; there is one): an all-reduce up to its inbox (engine.SharedDirectPlan;
+        smaller ones gather in its slots), an all-gather's shard and a reduce-scatter's or a
+        reduce's buffer up to its inbox, a broadcast up to its slots and at 3 or more ranks up to
+        its inbox (engine.SharedPlacesPlan); at 2 ranks an all-reduce, an all-gather and a broadcast
+        at most SHARED_PAIR_LIMITS. (Measured on 2 cores against the ring at N = 2 from 128 KiB to
+        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, and at 4 MiB 1.20/0.95 against
+        0.85/0.79 (out / in place); a broadcast against the chain at N = 4, 1.5-3x faster from
+        128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce against the chain: 2-3x
+        faster up to 32 KiB at N = 2 and 4, 1.3-2x from 32 KiB to 2 MiB at N = 2 and 3, at N = 4
+        from 32 KiB to 2 MiB, and even at 4 MiB, where the root's fold of four buffers on one core
+        meets the chain's folds spread over the ranks, as at N = 2.)"""
         window = self._shared
         if collective == "all_reduce":
-            return window.direct if self.size > 2 else window.direct * 7 // 8
-        if collective == "all_gather" and self.size == 2:
-            return min(max(window.small, window.direct), SHARED_PAIR_SHARD)
-        if collective in ("all_gather", "reduce_scatter", "reduce") or collective == "broadcast" and self.size > 2:
-            return max(window.small, window.direct)
-        return min(window.small, SHARED_PAIR_BROADCAST)  # (a broadcast at 2 ranks)
+            limit = window.direct
+        elif collective == "broadcast" and self.size == 2:
+            limit = window.small
+        else:
+            limit = max(window.small, window.direct)
+        return min(limit, SHARED_PAIR_LIMITS.get(collective, limit)) if self.size == 2 else limit
 
     def _partial_sums(self, kind: str, device: Any, count: int) -> Any:
         """The float32 scratch (``count`` elements) where accumulate="float32" keeps partial sums;
@@ -727,13 +722,13 @@ def _cores() -> int:
 
 def _window_bytes(n: int, small_bytes: int, free: int) -> tuple[int, int] | None:
     """The shared-memory window's (slot, direct) data bytes for ``n`` ranks, or None: slots of
-    small_bytes (at most SHARED_SMALL_BYTES), an inbox of SHARED_BYTES (half at 2 ranks), halved
-    until all regions together fit SHARED_TOTAL_BYTES and a quarter of ``free``; without slots or
-    inbox, no window. (Measured on 2 cores: the shared direct all-reduce beats the ring's plan
-    up to 1.75 MiB at N = 2, where MPI's single-copy ring moves fewer bytes beyond it
-    (Communicator._window_limit), and at 4 MiB still by 1.4x at N = 4.)"""
+    small_bytes (at most SHARED_SMALL_BYTES), an inbox of SHARED_BYTES, halved until all regions
+    together fit SHARED_TOTAL_BYTES and a quarter of ``free``; without slots or inbox, no window.
+    (Measured on 2 cores: the shared direct all-reduce beats the ring's plan up to 1.75 MiB at
+    N = 2, where MPI's single-copy ring moves fewer bytes beyond it (Communicator._window_limit),
+    and at 4 MiB still by 1.4x at N = 4; a reduce-scatter at N = 2 by 1.2-1.4x at 4 MiB.)"""
     budget = min(SHARED_TOTAL_BYTES, free // 4)
-    small, direct = min(small_bytes, SHARED_SMALL_BYTES), SHARED_BYTES if n > 2 else SHARED_BYTES // 2
+    small, direct = min(small_bytes, SHARED_SMALL_BYTES), SHARED_BYTES
     while direct and n * region_bytes(n, small, direct) > budget:
         direct = direct // 2 if direct > 64 << 10 else 0
     if n * region_bytes(n, small, direct) > budget:

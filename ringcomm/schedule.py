@@ -177,13 +177,12 @@ def format_ring(nodes: Sequence[str]) -> str:
 
 
 def chain_chunks(n: int, count: int, itemsize: int, piece_bytes: int) -> int:
-    """Number of pipeline pieces for broadcast/reduce: at least N, about ``piece_bytes`` each, at most 8N;
-    one for 2 ranks (or 1), whose chain of one hop has nothing to overlap: its one step posts all its
-    messages at once (measured: a 1 MiB broadcast 69 -> 64 us, MPICH's 52)."""
-    if n <= 2:
-        return 1
+    """Number of pipeline pieces for broadcast/reduce: about ``piece_bytes`` each, at least N (at 2 ranks,
+    or 1, at least one: a chain of one hop has nothing to overlap, so a buffer up to ``piece_bytes`` is one
+    message; measured: a 1 MiB broadcast 69 -> 64 us, MPICH's 52), at most 8N. (Pieces bound the
+    scratch of a chain's receiver, and the staged transport's pinned buffers, to one piece.)"""
     want = -(-count * itemsize // max(1, piece_bytes))
-    return max(n, min(8 * n, want))
+    return max(n if n > 2 else 1, min(8 * n, want))
 
 
 def _check(n: int, rank: int, root: int = 0) -> None:

@@ -138,8 +138,9 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     # shared-memory window's, the ring)
     assert "# Algorithm: all_reduce up to 65536 B: gather-fold" in text and "reduce_scatter and reduce up to" in text
     if nranks == 2:  # the window's own limits at 2 ranks (the defaults' slots and inbox hold more)
-        assert (f"broadcast up to {communicator.SHARED_PAIR_BROADCAST} B" in text
-                and f"all_gather up to {communicator.SHARED_PAIR_SHARD} B a shard" in text), text
+        pair = communicator.SHARED_PAIR_LIMITS
+        assert (f"broadcast up to {pair['broadcast']} B" in text and f"all_gather up to {pair['all_gather']} B a shard"
+                in text and f"up to {pair['all_reduce']} B: direct" in text), text
     assert "above: ring, and chain for broadcast and reduce" in text
     assert json.loads(path.read_text())["environment"]["small_bytes"] == 65536
     assert all(t.status == "OK" and t.wrong == 0 for t in parse_tables(acc))

@@ -107,6 +107,10 @@ def test_broadcasts_and_all_gathers_take_a_plans_lane_where_its_arrays_lie(share
     assert launched == (["broadcast"] * n + ["all_gather"]) * 2, launched
     with pytest.raises(ValueError, match="shard overlaps out but is not out"):
         comm.all_gather(at[lo + 1 : hi + 1] if lo == 0 else at[lo - 1 : hi - 1], out=at)
+    strided = np.zeros(2 * count)[::2]  # (the lane's key: out's count and dtype; its address unreadable)
+    for shard in (np.ones(hi - lo), strided[lo:hi]):
+        with pytest.raises(TypeError, match="not C-contiguous"):
+            comm.all_gather(shard, out=strided)
     comm.close()
 
 

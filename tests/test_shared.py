@@ -465,11 +465,11 @@ def test_no_window_when_turned_off_or_without_room():
 
 
 def test_window_sizes_fit_the_budget():
-    """Slots of small_bytes and an inbox of SHARED_BYTES (half at 2 ranks), shrunk to fit a quarter
+    """Slots of small_bytes and an inbox of SHARED_BYTES, shrunk to fit a quarter
     of /dev/shm's free space and SHARED_TOTAL_BYTES, then dropped."""
     big = 1 << 40
     assert communicator._window_bytes(4, 65536, big) == (65536, communicator.SHARED_BYTES)
-    assert communicator._window_bytes(2, 65536, big) == (65536, communicator.SHARED_BYTES // 2)
+    assert communicator._window_bytes(2, 65536, big) == (65536, communicator.SHARED_BYTES)
     assert communicator._window_bytes(4, 1 << 30, big)[0] == communicator.SHARED_SMALL_BYTES
     small, direct = communicator._window_bytes(64, 65536, big)
     assert small == 65536 and 0 < direct < communicator.SHARED_BYTES
@@ -532,15 +532,16 @@ def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
 
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
-    """At 2 ranks an all-reduce runs in the window up to 7/8 of its inbox (from there MPI's
+    """At 2 ranks an all-reduce runs in the window up to SHARED_PAIR_LIMITS (from there MPI's
     single-copy ring is as fast, and faster in place), the ring beyond; at 3 or more up to the
-    inbox, as reduce-scatters do; all-gathers at 2 ranks up to shards of SHARED_PAIR_SHARD (the
-    single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox; broadcasts at
-    2 ranks up to the slots and SHARED_PAIR_BROADCAST (the chain's one message beyond), at 3 or
-    more up to the inbox."""
+    inbox, as reduce-scatters do at every N; all-gathers at 2 ranks up to shards of their pair limit
+    (the single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox; broadcasts
+    at 2 ranks up to the slots and their pair limit (the chain's one message beyond), at 3 or more
+    up to the inbox."""
     comm = make_comm()
     n, inbox = comm.size, comm.shared_memory()[1]
-    limit = inbox * 7 // 8 if n == 2 else inbox
+    pair = communicator.SHARED_PAIR_LIMITS
+    limit = min(inbox, pair["all_reduce"]) if n == 2 else inbox
     for nbytes, algorithm in ((limit, "direct (shared memory)"), (limit + 64, "direct" if n > 2 else "ring")):
         x = np.ones(nbytes // 4, np.float32)
         caplog.clear()
@@ -551,15 +552,16 @@ def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
     with caplog.at_level(logging.DEBUG, logger="ringcomm"):
         comm.reduce_scatter(x)
     assert "(shared memory)" in caplog.text.splitlines()[-1], caplog.text
-    pair = communicator.SHARED_PAIR_SHARD  # all-gathers: at 2 ranks shards up to it, else up to the inbox
-    for shard_bytes, shared in ((pair, True), (pair + 64, n > 2 and pair + 64 <= inbox)):
+    shard_limit = comm._window_limit("all_gather")  # all-gathers: at 2 ranks shards up to the pair limit
+    assert shard_limit == (min(inbox, pair["all_gather"]) if n == 2 else inbox)
+    for shard_bytes, shared in ((shard_limit, True), (shard_limit + 64, False)):
         shard = np.full(shard_bytes // 4, comm.rank, np.float32)
         with caplog.at_level(logging.DEBUG, logger="ringcomm"):
             out = comm.all_gather(shard)
         assert ("(shared memory)" in caplog.text.splitlines()[-1]) == shared, (shard_bytes, caplog.text)
         assert (out == np.repeat(np.arange(n, dtype=np.float32), shard.size)).all()
-    bcast = comm._window_limit("broadcast")  # broadcasts: at 2 ranks up to the slots and SHARED_PAIR_BROADCAST
-    assert bcast == (min(comm.shared_memory()[0], communicator.SHARED_PAIR_BROADCAST) if n == 2 else inbox)
+    bcast = comm._window_limit("broadcast")  # broadcasts: at 2 ranks up to the slots and their pair limit
+    assert bcast == (min(comm.shared_memory()[0], pair["broadcast"]) if n == 2 else inbox)
     for nbytes, shared in ((bcast, True), (bcast + 64, False)):
         x = np.full(nbytes // 4, comm.rank, np.float32)
         with caplog.at_level(logging.DEBUG, logger="ringcomm"):
@@ -672,10 +674,18 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
     assert launched.count("reduce_scatter") == 2 and launched.count("all_gather") == 1
     assert launched.count("reduce") == 2 * min(n, 4) + 8, launched.count("reduce")
     x = np.ones(count, np.float32)
-    for _ in range(2):  # (out aliases x: folded apart, then copied, in the lane as in the full path)
-        x[...] = 1
+    for _ in range(2):  # (out aliases x: folded apart, then copied, in the lane as in the full path, but at 2
+        x[...] = 1      # ranks x's own shard is folded into at once: one op, whose last operand it is)
         assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all() and (np.delete(x, range(lo, hi)) == 1).all()
     assert launched.count("reduce_scatter") == 2
+    scratches, scratch = [], comm._scratch_array
+    comm._scratch_array = lambda *args: (scratches.append(args), scratch(*args))[1]
+    for key in [key for key in comm._lanes if key[0] == "reduce_scatter"]:  # (the full path again)
+        del comm._lanes[key]
+    x[...] = 1
+    assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all() and (np.delete(x, range(lo, hi)) == 1).all()
+    assert len(scratches) == (n > 2), scratches
+    comm._scratch_array = scratch
     ro = np.ones(count, np.float32)
     ro.flags.writeable = False
     if r == 0:

@@ -1130,10 +1130,6 @@ def from_dlpack(array, *, device=None, copy=None) -> ndarray:
     return ndarray(shape, dtype, MemoryPointer(mem, 0))
 
 
-def may_share_memory(a: ndarray, b: ndarray) -> bool:
-    return a.nbytes > 0 and b.nbytes > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
-
-
 def asnumpy(a) -> np.ndarray:
     return a.get() if isinstance(a, ndarray) else np.asarray(a)
 
