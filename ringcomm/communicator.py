@@ -511,7 +511,7 @@ class Communicator:
         :class:`ringcomm.engine.Plan` (found by the collective, root, dtype, chunk bounds and the
         buffers' addresses); an all-reduce of 3 or more ranks on one node runs a
         :class:`ringcomm.engine.DirectPlan` instead (2 rounds of direct messages, bitwise the
-        ring's result). With ``ctx.wide``
+        ring's result; a reduce-scatter its first round alone). With ``ctx.wide``
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
         (``ctx.acc``) for the call, and the engine's loop runs."""
         link = self._transport(kind)
@@ -521,7 +521,8 @@ class Communicator:
             self._launch(ctx, count, root, agreed, plan.algorithm, link, plan.steps, plan.run, work, src)
             return plan
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
-            direct = ctx.collective == "all_reduce" and self.size > 2 and self.single_node and link.direct(ctx)
+            direct = (ctx.collective in ("all_reduce", "reduce_scatter") and self.size > 2 and self.single_node
+                      and link.direct(ctx))
             at = span(work)[0]
             key = (ctx.collective, root, ctx.dtype, bounds, at, at if src is work else span(src)[0])
             plan = self._plans.get(key)
@@ -529,7 +530,7 @@ class Communicator:
                 made = DirectPlan(ctx, bounds, work, src, link) if direct else Plan(
                     ctx, steps, bounds, work, src, link, result_chunks)
                 plan = self._cache(key, made)
-            algorithm, nsteps = ("direct", 2) if direct else ("ring", len(steps))
+            algorithm, nsteps = ("direct", 2 if ctx.collective == "all_reduce" else 1) if direct else ("ring", len(steps))
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
         self._launch(ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link,

@@ -330,7 +330,8 @@ class Plan(_Prepared):
 
 
 class DirectPlan(_Prepared):
-    """An all-reduce in two rounds of direct messages, on the host, bound once to its buffers.
+    """An all-reduce in two rounds of direct messages, on the host, bound once to its buffers (a
+    reduce-scatter: round 1 alone, ``ctx.collective``).
 
     Round 1 (the reduce-scatter): every rank sends its copy of chunk q to the rank at ring place
     q and receives its own chunk p from every other rank; it folds them in
@@ -351,7 +352,7 @@ class DirectPlan(_Prepared):
         comm = link.comm
         n, p = comm.size, comm.position
         self.comm, self.link, self.bounds, self.n, self.p = comm, link, bounds, n, p
-        self.in_place = work is src
+        self.in_place, self.gathers = work is src, ctx.collective == "all_reduce"
         lo, hi = bounds[p]
         self._mine = slice(lo, hi)
         self._incoming = ctx.device.empty((n - 1) * (hi - lo), ctx.dtype).reshape(n - 1, hi - lo)
@@ -360,20 +361,21 @@ class DirectPlan(_Prepared):
         slot = {q: k for k, q in enumerate(qq for qq in range(n) if qq != p)}
         self._order = [slot[q] for q in order[:-1]]
         self.nbytes = self._incoming.nbytes
-        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize)
+        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, self.gathers)
         super().__init__()
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
-        scatter, gather = self._get(ctx) or self._make(ctx, work, src)
+        rounds = self._get(ctx) or self._make(ctx, work, src)  # (scatter, and for an all-reduce gather)
         op, device = ctx.op or SUM, ctx.device
         inc, order, mine = self._incoming, self._order, self._mine
         try:
-            scatter.run(ctx, 0, "this rank's chunk")
+            rounds[0].run(ctx, 0, "this rank's chunk")
             part = inc[order[0]]
             for k in order[1:]:
                 device.reduce(part, inc[k], part, op)
             device.reduce(work[mine], src[mine], part, op, self.n if op is AVG else 1, self.in_place)
-            gather.run(ctx, 1, "a reduced chunk")
+            if self.gathers:
+                rounds[1].run(ctx, 1, "a reduced chunk")
         except BaseException:
             self._failed(work, src)
             raise
@@ -383,11 +385,12 @@ class DirectPlan(_Prepared):
         comm, p, bounds, tag = self.comm, self.p, self.bounds, self._tag(ctx)
         others = [(q, comm.ring[q]) for q in range(self.n) if q != p]
         inc = self._incoming
-        scatter = self.link.exchange(ctx, [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
-                                     [(rank, src[slice(*bounds[q])]) for q, rank in others], tag)
-        gather = self.link.exchange(ctx, [(rank, work[slice(*bounds[q])]) for q, rank in others],
-                                    [(rank, work[self._mine]) for _, rank in others], tag)
-        return self._put(ctx, (scatter, gather))
+        rounds = [self.link.exchange(ctx, [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
+                                     [(rank, src[slice(*bounds[q])]) for q, rank in others], tag)]
+        if self.gathers:
+            rounds.append(self.link.exchange(ctx, [(rank, work[slice(*bounds[q])]) for q, rank in others],
+                                             [(rank, work[self._mine]) for _, rank in others], tag))
+        return self._put(ctx, rounds)
 
 
 def sent_bytes(steps: Sequence[Step], bounds: Bounds, itemsize: int) -> int:
@@ -395,11 +398,11 @@ def sent_bytes(steps: Sequence[Step], bounds: Bounds, itemsize: int) -> int:
     return sum(bounds[st.send][1] - bounds[st.send][0] for st in steps if st.send is not None) * itemsize
 
 
-def _direct_sent(bounds: Bounds, p: int, n: int, itemsize: int) -> int:
+def _direct_sent(bounds: Bounds, p: int, n: int, itemsize: int, gathers: bool) -> int:
     """The payload bytes a direct all-reduce (or the ring) sends from place ``p``: every other
-    chunk once (reduce-scatter), its own reduced chunk N-1 times (all-gather)."""
+    chunk once (reduce-scatter), and with ``gathers`` its own reduced chunk N-1 times (all-gather)."""
     lo, hi = bounds[p]
-    return (sum(b - a for q, (a, b) in enumerate(bounds) if q != p) + (n - 1) * (hi - lo)) * itemsize
+    return (sum(b - a for q, (a, b) in enumerate(bounds) if q != p) + gathers * (n - 1) * (hi - lo)) * itemsize
 
 
 class SharedDirectPlan:
@@ -431,7 +434,7 @@ class SharedDirectPlan:
         #: what this rank publishes: every chunk but its own, into its inbox
         self._ins = [(slice(a, b), shared.mine[a:b]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
         self._copies = [(slice(a, b), shared.outboxes[ring[q]]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
-        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize)
+        self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, True)
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
         device, op, shared, mine = ctx.device, ctx.op, self.shared, self._mine

@@ -158,7 +158,8 @@ def test_small_all_reduce_mismatch_is_an_error_on_every_rank(shared):
 
 @pytest.mark.parallel(nprocs=[3, 4, 5])
 def test_direct_all_reduce_is_bitwise_the_ring():
-    """On one node, 3+ ranks: two rounds of direct messages, folded in the ring's order (engine.DirectPlan)."""
+    """On one node, 3+ ranks: two rounds of direct messages, folded in the ring's order
+    (engine.DirectPlan); a reduce-scatter the first round alone, bitwise the ring's too."""
     from ringcomm.engine import DirectPlan, Plan
 
     mpi = MPI.COMM_WORLD
@@ -175,6 +176,10 @@ def test_direct_all_reduce_is_bitwise_the_ring():
                 direct.all_reduce(y, op)  # in place
                 assert y.tobytes() == a.tobytes(), (count, dtype, op, "in place")
                 assert mpi.allgather(a.tobytes()) == [a.tobytes()] * mpi.size
+                shard = direct.reduce_scatter(x, op)
+                assert shard.tobytes() == ring.reduce_scatter(x, op).tobytes(), (count, dtype, op, "reduce_scatter")
+                lo, hi = direct.shard_bounds(count)[direct.rank]
+                assert shard.tobytes() == a[lo:hi].tobytes(), (count, dtype, op, "reduce_scatter's shard")
     assert all(isinstance(p, DirectPlan) for p in direct._plans.values()) and direct._plans
     assert all(isinstance(p, Plan) for p in ring._plans.values()) and ring._plans
     want = sum(np.arange(1000.0) * (r + 1) for r in range(mpi.size))
@@ -183,6 +188,10 @@ def test_direct_all_reduce_is_bitwise_the_ring():
     assert np.array_equal(got, want)
     lo, hi = direct.shard_bounds(1000)[direct.rank]
     assert direct.bytes_sent - before == (1000 - (hi - lo) + (mpi.size - 1) * (hi - lo)) * 8
+    before = direct.bytes_sent
+    assert np.array_equal(direct.reduce_scatter(np.arange(1000.0) * (mpi.rank + 1)), want[lo:hi])
+    assert direct.bytes_sent - before == (1000 - (hi - lo)) * 8  # (the ring's bytes: every other chunk once)
+    assert {key[0] for key in direct._plans} == {"all_reduce", "reduce_scatter"}
     direct.close()
     ring.close()
 

@@ -369,7 +369,7 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + (f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
                         "the root the whole buffer, from every rank's buffer in the window)" if places else "")
                      + "; above: ring, and chain for broadcast and reduce (host buffers up to "
-                     f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce of 3+ ranks: direct)")
+                     f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce and reduce_scatter of 3+ ranks: direct)")
     else:
         gather = ("one persistent MPI_Allgather_init of whole buffers" if device == "host"
                   else "N-1 ring steps of whole buffers")
