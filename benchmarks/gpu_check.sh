@@ -18,7 +18,8 @@
 # 2. compiles the kernels once (NVRTC through CuPy; CuPy's disk cache keeps them for the ranks);
 # 3. the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
 # 4. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
-# 5. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py);
+# 5. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
+#    and where a small GPU all-reduce's host time goes, per transport (benchmarks/gpu_host_cost.py);
 # 6. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
 #    then all_reduce busbw of ipc, ipc-stream (RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks on the one GPU,
 #    64 KiB to 1 GiB (bench_<transport>_n<N>.json);
@@ -53,8 +54,9 @@ PLAN=(
     "tests N=2 50"
     "kernel bench 25"
     "allreduce ipc vs staged 20"
+    "gpu host cost 15"
     "ringcomm-bench 55"
-    "ipc-stream bench 75"
+    "ipc-stream bench 60"
     "tests N=3,4 55"
     "zero GPU tests 25"
 )
@@ -260,6 +262,7 @@ step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.
 # ----------------------------------------------------------------- 5. all-reduce 1 GiB, IPC vs staged
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
+step "gpu host cost" mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --iters 50 --json "$OUTDIR/gpu_host_cost.json"
 
 # ------------------------------------------------------------ 6. ringcomm against NCCL and MPI, 2 ranks
 # the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured

@@ -205,6 +205,10 @@ class IpcSend(_IpcHalf):
         # scratch Memory it was exported for) until the right has closed its mapping
         self._handle_of: dict[int, bytes] = {}
         self._pins: dict[bytes, Any] = {}
+        # device address -> (handle, its message words, allocation base, allocation size) of an
+        # allocation pinned ever since (dropped when it is unpinned): a pinned allocation cannot be
+        # freed, so the address still lies in it (a call on the last call's arrays queries nothing)
+        self._exports: dict[int, tuple[bytes, np.ndarray, int, int]] = {}
         self._scratch = None  # registered send scratch (cudaMalloc), grown when needed
         self._began = False  # some collective ran: close() agrees the unmapping with the right
         cap = max(16, 12 * comm.size)
@@ -261,7 +265,7 @@ class IpcSend(_IpcHalf):
             setup, self._setup = self._setup, []
             wait(setup, self.ctx, step, self.comm.right, "rank %d to map this rank's memory (CUDA IPC)",
                  self.comm.right)
-            self._unpin_released(keep={bytes(self._desc_out[slot, 4:].tobytes()) for slot in SLOTS})
+            self._unpin_released(described=True)
             if self._reply_in[0] != _VALID:
                 _warn_fallback(self.comm, self._problem or f"rank {self.comm.right} could not map this rank's memory")
                 self.fallback, self.name, self._active = StagedSend(self.comm), "staged", False
@@ -284,20 +288,14 @@ class IpcSend(_IpcHalf):
             if a is None or a.nbytes == 0:
                 continue
             ptr = pointer(a)
-            drv = _get_driver()
-            if not drv.attribute(ptr, drv.IPC_CAPABLE):
+            export = self._exports.get(ptr) or self._export(ptr)
+            if export is None:
                 need_scratch = max(need_scratch, a.nbytes)
                 self._slot_of[slot] = SCRATCH
                 continue
-            base, size = drv.allocation(ptr)
-            key = drv.attribute(base, drv.BUFFER_ID)  # unique per allocation over the process lifetime
-            handle = self._handle_of.get(key) if key is not None else None
-            if handle is None:
-                handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(base))
-                if key is not None:
-                    self._handle_of[key] = handle
+            handle, words, base, size = export
             self._pins[handle] = a
-            self._fill(slot, handle, ptr - base, a.nbytes, size)
+            self._fill(slot, words, ptr - base, a.nbytes, size)
             self._slot_of[slot] = slot
         if need_scratch:
             if self._scratch is None or self._scratch.nbytes < need_scratch:
@@ -307,26 +305,51 @@ class IpcSend(_IpcHalf):
                 self._scratch_handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
                 log.debug("ipc: rank %d exports a %d-byte scratch buffer", self.comm.rank, mem.size)
             self._pins[self._scratch_handle] = self._scratch  # an outgrown one stays until released
-            self._fill(SCRATCH, self._scratch_handle, 0, self._scratch.nbytes, self._scratch.nbytes)
+            self._fill(SCRATCH, _words(self._scratch_handle), 0, self._scratch.nbytes, self._scratch.nbytes)
 
-    def _fill(self, slot: int, handle: bytes, offset: int, nbytes: int, alloc: int) -> None:
+    def _export(self, ptr: int) -> tuple[bytes, np.ndarray, int, int] | None:
+        """(handle, its words, base, size) of the allocation holding ``ptr`` (driver queries;
+        remembered in ``_exports`` while pinned), or None when it cannot be exported (scratch)."""
+        drv = _get_driver()
+        if not drv.attribute(ptr, drv.IPC_CAPABLE):
+            return None
+        base, size = drv.allocation(ptr)
+        key = drv.attribute(base, drv.BUFFER_ID)  # unique per allocation over the process lifetime
+        handle = self._handle_of.get(key) if key is not None else None
+        if handle is None:
+            handle = bytes(self._cupy.cuda.runtime.ipcGetMemHandle(base))
+            if key is not None:
+                self._handle_of[key] = handle
+        if len(self._exports) >= 4 * MAX_MAPPINGS:  # addresses of arrays gone: start afresh
+            self._exports.clear()
+        export = self._exports[ptr] = (handle, _words(handle), base, size)
+        return export
+
+    def _fill(self, slot: int, words: np.ndarray, offset: int, nbytes: int, alloc: int) -> None:
         row = self._desc_out[slot]
         row[0], row[1], row[2], row[3] = _VALID, offset, nbytes, alloc
-        row[4:] = _words(handle)
+        row[4:] = words
 
-    def _unpin_released(self, keep: set[bytes] = frozenset()) -> None:
+    def _unpin_released(self, described: bool = False) -> None:
         """Drop the pins of the allocations the right reports it no longer maps (all of them when
-        it is closing), except those described again in this collective (the right opens them anew)."""
+        it is closing), except, when ``described``, those described again in this collective (the
+        right opens them anew)."""
         got = self._reply_in
         if got[2]:
             self._pins.clear()
             self._handle_of.clear()
+            self._exports.clear()
             return
-        released = {got[3 + 8 * i: 11 + 8 * i].tobytes() for i in range(int(got[1]))} - set(keep)
+        if not got[1]:
+            return
+        released = {got[3 + 8 * i: 11 + 8 * i].tobytes() for i in range(int(got[1]))}
+        if described:
+            released -= {self._desc_out[slot, 4:].tobytes() for slot in SLOTS}
         for handle in released:
             self._pins.pop(handle, None)
         if released:
             self._handle_of = {k: h for k, h in self._handle_of.items() if h not in released}
+            self._exports = {p: e for p, e in self._exports.items() if e[0] not in released}
 
     def _row(self, table: np.ndarray) -> np.ndarray:
         if self._seq >= table.shape[0]:  # more steps than foreseen: never in the ring schedules
@@ -446,7 +469,13 @@ class IpcRecv(_IpcHalf):
         self.fallback: StagedRecv | None = None  # set, on both ends of the edge, once its set-up failed
         self._releases: list[bytes] = []  # handles of the left's memory closed here, to report to it
         self._began = False
-        self._peer: list = []
+        self._peer: list = []  # per slot, a uint8 view of the left's array (None: unused)
+        # the descriptor _peer was opened from, the (handle, mapping) pairs it holds, and the
+        # chunks viewed in them: a call whose descriptor is the last one's, with its mappings
+        # still open, reuses them all (no handle is looked up, no view made)
+        self._opened: bytes | None = None
+        self._held: list[tuple[bytes, _Mapping]] = []
+        self._chunks: dict[tuple, Any] = {}
         cap = max(16, 12 * comm.size)
         self._ready_in = np.zeros((cap, 4), np.int64)
         self._done_out = np.zeros((cap, 1), np.int64)
@@ -484,12 +513,14 @@ class IpcRecv(_IpcHalf):
         problem = ""
         if (self._desc_in[: len(SLOTS), 0] == _FAILED).any():
             problem = f"rank {left} could not export its buffers"
-        else:
+        elif not self._reopened():
             try:
+                self._forget_views()
                 with cupy.cuda.Device(self.device.device_id):  # a handle opens on the current device
                     self._peer = [self._open(self._desc_in[slot]) for slot in SLOTS]
                 with _mapped_lock:  # after every slot is open: the mappings of this call are the newest
                     self._evict()
+                self._opened = self._desc_in.tobytes()
             except Exception as e:  # noqa: BLE001 - any failure means: this edge falls back, on both ends
                 problem = f"opening rank {left}'s CUDA IPC handle failed: {e}"
         self._fill_reply(ok=not problem, closing=False)
@@ -513,6 +544,35 @@ class IpcRecv(_IpcHalf):
         for i, handle in enumerate(sent):
             out[3 + 8 * i: 11 + 8 * i] = _words(handle)
 
+    def _forget_views(self) -> None:
+        self._peer, self._opened, self._held, self._chunks = [], None, [], {}
+
+    def _reopened(self) -> bool:
+        """True when this call's descriptor is the one ``_peer`` was opened from and every mapping
+        it holds is still open (then marked the most recently used, as :meth:`_open` does)."""
+        if self._opened is None or self._desc_in.tobytes() != self._opened:
+            return False
+        with _mapped_lock:
+            if any(_mapped.get(handle) is not mapping for handle, mapping in self._held):
+                return False
+            for handle, _ in self._held:
+                _mapped.move_to_end(handle)
+        return True
+
+    def _chunk(self, slot: int, offset: int, nbytes: int, dtype: np.dtype) -> Any:
+        """The left's ``nbytes`` at ``offset`` in ``slot`` as an array of ``dtype`` (views kept
+        with the mappings they lie in), or None when the slot is unused or no slot."""
+        key = (slot, offset, nbytes, dtype)
+        view = self._chunks.get(key)
+        if view is None:
+            whole = self._peer[slot] if 0 <= slot < len(SLOTS) else None
+            if whole is None:
+                return None
+            if len(self._chunks) >= 64:
+                self._chunks.clear()
+            view = self._chunks[key] = whole[offset: offset + nbytes].view(dtype)
+        return view
+
     def _open(self, row: np.ndarray) -> Any:
         """A uint8 view of the neighbour's array described by ``row`` (None for an unused slot)."""
         state, offset, nbytes, alloc = (int(v) for v in row[:4])
@@ -532,6 +592,7 @@ class IpcRecv(_IpcHalf):
             else:
                 _mapped.move_to_end(handle)
             mapping.owners.add(self)
+            self._held.append((handle, mapping))
             if handle in self._releases:  # closed earlier, mapped again: the left must keep its pin
                 self._releases.remove(handle)
         if offset < 0 or offset + nbytes > alloc:
@@ -578,9 +639,9 @@ class IpcRecv(_IpcHalf):
         req, row, count, dtype = self._incoming
         sender.pump(step, 0)
         wait([req], self.ctx, step.index, self.comm.left, "chunk %s announced by the left (CUDA IPC)", step.recv)
-        index, slot, offset, nbytes = (int(v) for v in row)
-        view = self._peer[slot] if 0 <= slot < len(SLOTS) else None
+        index, slot, offset, nbytes = row.tolist()
         want = count * dtype.itemsize
+        view = self._chunk(slot, offset, nbytes, dtype) if nbytes == want else None
         if nbytes != want or index != step.index or view is None:
             raise MismatchError(
                 f"{self.ctx.collective} call {self.ctx.call}: rank {self.comm.rank} expected {want} bytes of chunk "
@@ -588,7 +649,7 @@ class IpcRecv(_IpcHalf):
                 f"{nbytes} bytes at its step {index}: the ranks disagree on the count or the dtype"
             )
         self._reading = True
-        yield 0, count, view[offset: offset + nbytes].view(dtype)
+        yield 0, count, view
 
     def step_done(self, step: Any) -> None:
         if self.fallback is not None:
@@ -628,7 +689,7 @@ class IpcRecv(_IpcHalf):
                         del _mapped[handle]
                         self._close_mapping(mapping)
         self._releases.clear()
-        self._peer = []
+        self._forget_views()
         self._began = False
         if self.comm._aborted:
             return

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MismatchError, TimeoutError
-from .ipc import ACC, FLAGS, SCRATCH, SLOTS, SRC, WORK, IpcRecv, IpcSend
+from .ipc import ACC, FLAGS, SCRATCH, SLOTS, SRC, WORK, IpcRecv, IpcSend, _words
 
 log = logging.getLogger("ringcomm")
 
@@ -293,8 +293,9 @@ class IpcStreamSend(IpcSend):
             cp.ndarray((FLAG_BYTES,), np.uint8, cp.cuda.MemoryPointer(self._flags, 0)).fill(0)
             cp.cuda.get_current_stream().synchronize()  # zero before the right may read it (once)
             self._flags_handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self._flags.ptr))
+            self._flags_words = _words(self._flags_handle)
         self._pins[self._flags_handle] = self._flags
-        self._fill(FLAGS, self._flags_handle, 0, FLAG_BYTES, FLAG_BYTES)
+        self._fill(FLAGS, self._flags_words, 0, FLAG_BYTES, FLAG_BYTES)
         # where each step's chunk lies: step, slot, byte offset in the slot's array, bytes
         table = self._desc_out[len(SLOTS):, :4]
         table[:] = -1
@@ -357,6 +358,8 @@ class IpcStreamRecv(IpcRecv):
         self._table_rows = max(16, 12 * comm.size)
         super().__init__(comm)
         self._received = 0  # chunks received on this edge, over all calls
+        self._where: dict[int, tuple[int, int, int]] = {}  # step -> (slot, byte offset, bytes) of its chunk
+        self._where_of: bytes | None = None  # the descriptor _where was read from
 
     def _desc_rows(self) -> int:
         return len(SLOTS) + self._table_rows
@@ -373,8 +376,10 @@ class IpcStreamRecv(IpcRecv):
                 raise MismatchError(f"{ctx.collective} call {ctx.call}: rank {self.comm.left} sent no ipc-stream "
                                     f"flags to rank {self.comm.rank}: the ranks disagree on the transport")
             self._left_flags = pointer(flags)
-            table = self._desc_in[len(SLOTS):, :4]
-            self._where = {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in table if r[0] >= 0}
+            if self._where_of is not self._opened:  # (the same descriptor as the last call's: the same table)
+                table = self._desc_in[len(SLOTS):, :4].tolist()
+                self._where = {r[0]: (r[1], r[2], r[3]) for r in table if r[0] >= 0}
+                self._where_of = self._opened
             self._check_sizes(ctx, bounds)
 
     def _check_sizes(self, ctx: Any, bounds: Any) -> None:
@@ -404,8 +409,8 @@ class IpcStreamRecv(IpcRecv):
     def _recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
         count, dtype = self._incoming
         slot, offset, nbytes = self._where.get(step.index, (-1, 0, 0))
-        view = self._peer[slot] if 0 <= slot < len(SLOTS) else None
         want = count * dtype.itemsize
+        view = self._chunk(slot, offset, nbytes, dtype) if nbytes == want else None
         if nbytes != want or view is None:
             raise MismatchError(
                 f"{self.ctx.collective} call {self.ctx.call}: rank {self.comm.rank} expected {want} bytes of chunk "
@@ -417,7 +422,7 @@ class IpcStreamRecv(IpcRecv):
         self._hs.wait(self.ctx, self.stream, self._left_flags + READY, self._received, step.index, self.comm.left,
                       f"chunk {step.recv} from the left (ipc-stream, on the GPU)")
         self._reading = True
-        yield 0, count, view[offset: offset + nbytes].view(dtype)
+        yield 0, count, view
 
     def step_done(self, step: Any) -> None:
         if self.fallback is not None:

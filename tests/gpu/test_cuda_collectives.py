@@ -347,3 +347,62 @@ def test_float32_accumulation_is_bitwise_the_hosts():
                     want = hostcomm.reduce(x.copy(), op, root=n - 1, accumulate="float32")
                     if r == n - 1:
                         assert host(res).tobytes() == want.tobytes(), f"reduce {what}"
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("transport", ["ipc", "ipc-stream"])
+def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
+    """A call on the arrays of the call before makes no driver query (what it exports lies in
+    allocations it still pins) and opens no handle (its left's descriptor is the last one's and
+    every mapping of it is still open). Once another communicator's calls have closed those
+    mappings (evicted; for ipc even opened again: the cache holds new ones under the same handles),
+    the next call opens every slot afresh, and once the exporters unpinned them (the closed mappings
+    reported), it queries the driver again; results stay right throughout (a view of a closed
+    mapping would read unmapped memory)."""
+    _use_local_gpu()
+    monkeypatch.setattr(ipc, "MAX_MAPPINGS", 2)  # (at least one per slot stays: 5)
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    queries, opens = [0], [0]
+    real_allocation, real_open = ipc._Driver.allocation, ipc.IpcRecv._open
+
+    def allocation(self, ptr):
+        queries[0] += 1
+        return real_allocation(self, ptr)
+
+    def counted_open(self, row):
+        opens[0] += 1
+        return real_open(self, row)
+
+    monkeypatch.setattr(ipc._Driver, "allocation", allocation)
+    monkeypatch.setattr(ipc.IpcRecv, "_open", counted_open)
+    comm, other = comm_with(transport), comm_with(transport)
+    count = 600_000  # each array its own allocation (larger than a pool block)
+    x, out = cupy.full(count, r + 1, cupy.float32), cupy.empty(count, cupy.float32)
+    want = n * (n + 1) / 2
+
+    def call() -> tuple[int, int]:
+        before = queries[0], opens[0]
+        out.fill(-1)
+        comm.all_reduce(x, out=out)
+        assert (host(out) == want).all(), f"{transport}: wrong result"
+        return queries[0] - before[0], opens[0] - before[1]
+
+    def push_out() -> None:  # the other communicator's allocations push x's and out's mappings out
+        for i in range(8):
+            y = cupy.full(count, i + r, cupy.float32)
+            other.all_reduce(y)
+            assert (host(y) == sum(i + k for k in range(n))).all()
+
+    assert call() == (2, 5)  # the first call exports x and out, and maps every slot
+    assert call() == (0, 0)  # the same arrays: nothing queried nor opened
+    push_out()
+    other.all_reduce(x, out=out)  # x's and out's handles mapped again, as new mappings, by the other
+    assert call() == (0, 5)  # the last call's descriptor, but not the mappings it was opened from
+    assert call() == (0, 0)
+    push_out()
+    comm.all_reduce(cupy.ones(3, cupy.float32))  # its reply reports the closed mappings: their exporters unpin
+    assert call() == (2, 5)  # exported and mapped anew
+    assert call() == (0, 0)
+    other.close()
+    comm.close()

@@ -1,0 +1,171 @@
+"""Where a GPU all-reduce's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
+
+    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged ipc-stream]
+                                                     [--sizes 8 64K 1M] [--iters 200] [--json out.json]
+
+For each transport (RINGCOMM_TRANSPORT, one Communicator each) and size: a float32 all-reduce out of
+place, called back to back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
+``us/call`` is the slowest rank's mean wall time per call. Then the same loop again under cProfile
+(every rank; rank 0's figures are shown), its time split by who spent it, each function's own time:
+
+- ``ringcomm``: ringcomm's own Python (argument checks, schedule, engine, transports' handshakes, kernel
+  launches' arguments), with the mpi4py calls it makes (compiled Cython methods, which cProfile does
+  not see apart from their caller): the host work this library can save;
+- ``cuda``: CuPy and cuda-bindings (array views, events, kernel launches, driver queries); on the
+  emulated GPU of tests/emulated the emulation, its kernels run on the CPU included;
+- ``wait``: polling and yielding the core while a neighbour or the GPU is not done
+  (``transports.base.wait_until`` and its polls, ``os.sched_yield``);
+- ``other``: the benchmark's own loop.
+
+numpy, the standard library, builtins, lambdas, and calls cProfile does not see (compiled Cython
+functions: mpi4py's, and some of CuPy's) count for whoever called them.
+
+Each share of the profiled time is scaled to the unprofiled ``us/call`` (cProfile slows Python calls
+more than C work, so the ringcomm share is an upper bound), and divided by the call's steps for
+``us/step``. Runs on a GPU (CuPy) or on the CPU through the emulated GPU
+(``PYTHONPATH=tests/emulated:tests:. RINGCOMM_EMULATED_HARNESS=lib.so``: see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+
+SIDES = ("ringcomm", "cuda", "wait", "other")
+
+
+def side(key: tuple) -> str | None:
+    """Whose own time a profiled function's is; None: its callers' (numpy, the standard library,
+    builtins, lambdas: a wait's poll is the wait's)."""
+    filename, _, name = key
+    if filename == "~":  # a builtin, or a compiled method (CuPy's, cuda-bindings') named with its module
+        if "sched_yield" in name or "sleep" in name:
+            return "wait"
+        return "cuda" if "cupy" in name or "cuda" in name else None
+    path = filename.replace(os.sep, "/")
+    if "/tests/emulated/" in path or "/cupy/" in path or "/cupy_backends/" in path or "/cuda/" in path:
+        return "cuda"
+    if name == "<lambda>":
+        return None
+    if "/ringcomm/" in path:
+        return "wait" if name == "wait_until" else "ringcomm"
+    if "/benchmarks/" in path:
+        return "other"
+    return None
+
+
+def split(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds of own time per side. A function without a side of its own (numpy, the standard
+    library, builtins) is charged to its callers' sides, in proportion to the time each caller's
+    calls took (cumulative), through any depth of such functions; what no side called is "other"."""
+    table = stats.stats
+    shares: dict[tuple, dict[str, float]] = {}
+    visiting: set[tuple] = set()
+
+    def owners(key: tuple) -> dict[str, float]:
+        if key in shares:
+            return shares[key]
+        mine = side(key)
+        if mine is not None or key not in table:
+            shares[key] = {mine or "other": 1.0}
+            return shares[key]
+        visiting.add(key)
+        out: dict[str, float] = {}
+        for caller, entry in table[key][4].items():
+            if caller in visiting:  # recursion: the outermost call of the cycle decides
+                continue
+            for name, frac in owners(caller).items():
+                out[name] = out.get(name, 0.0) + (entry[3] or 1e-12) * frac
+        visiting.discard(key)
+        total = sum(out.values())
+        shares[key] = {name: v / total for name, v in out.items()} if total else {"other": 1.0}
+        return shares[key]
+
+    seconds = dict.fromkeys(SIDES, 0.0)
+    for key, (_, _, tottime, _, _) in table.items():
+        for name, frac in owners(key).items():
+            seconds[name] += tottime * frac
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--transports", nargs="+", default=["ipc", "staged", "ipc-stream"])
+    p.add_argument("--sizes", nargs="+", default=["8", "64K", "1M"], help="buffer sizes in bytes (K/M/G suffixes)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    import cupy as cp
+    import numpy as np
+    from mpi4py import MPI
+
+    import ringcomm
+    from ringcomm import schedule
+    from ringcomm.bench.sizes import parse_size
+
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    cp.cuda.Device(node.rank % cp.cuda.runtime.getDeviceCount()).use()
+    n, r = world.size, world.rank
+    stream = cp.cuda.get_current_stream()
+    rows = []
+    for name in args.transports:
+        os.environ["RINGCOMM_TRANSPORT"] = name  # read when the communicator first picks a GPU transport
+        comm = ringcomm.Communicator(world)
+        for size in map(parse_size, args.sizes):
+            count = max(size // 4, 1)
+            base = (np.arange(count) % 7).astype(np.float32)
+            x = cp.asarray(base + r)
+            out = cp.empty_like(x)
+            ran = comm.transport_name(x)
+            small = n > 1 and x.nbytes <= comm.small_bytes
+            steps = (n - 1) if small else len(schedule.all_reduce(n, comm.position))
+
+            def loop(calls: int) -> None:
+                for _ in range(calls):
+                    comm.all_reduce(x, out=out)
+                stream.synchronize()
+
+            loop(20)
+            world.Barrier()
+            t0 = time.perf_counter()
+            loop(args.iters)
+            per_call = world.allreduce(time.perf_counter() - t0, op=MPI.MAX) / args.iters
+            wrong = int(world.allreduce(int((cp.asnumpy(out) != n * base + n * (n - 1) // 2).sum()), op=MPI.SUM))
+            world.Barrier()
+            prof = cProfile.Profile()
+            prof.enable()
+            loop(args.iters)
+            prof.disable()
+            seconds = split(pstats.Stats(prof))
+            total = sum(seconds.values()) or 1.0
+            us = {k: per_call * 1e6 * v / total for k, v in seconds.items()}
+            rows.append({"transport": name, "ran": ran, "ranks": n, "bytes": x.nbytes, "steps": steps,
+                         "algorithm": "gather-fold" if small else "ring", "us_per_call": per_call * 1e6,
+                         "us_per_step": per_call * 1e6 / max(steps, 1), "us_by_side": us,
+                         "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()}, "wrong": wrong})
+        comm.close()
+        del os.environ["RINGCOMM_TRANSPORT"]
+    if r == 0:
+        print(f"# GPU all_reduce host time, float32 out of place, {n} ranks, {args.iters} calls; "
+              f"per side: rank 0's profiled share of the call (us per step)")
+        head = f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'us/step':>8}"
+        print(head + "".join(f" {k:>8}" for k in SIDES) + f" {'wrong':>6}")
+        for row in rows:
+            print(f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
+                  f"{row['us_per_call']:9.1f} {row['us_per_step']:8.1f}"
+                  + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES) + f" {row['wrong']:6d}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "gpu_host_cost", "rows": rows}, f, indent=1)
+    return 0 if all(row["wrong"] == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
