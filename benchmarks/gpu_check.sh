@@ -373,8 +373,13 @@ if cols:
         print(f"  {size:>10} " + " ".join(f"{table[size].get(c) or float('nan'):16.1f}" for c in cols))
     print(f"  wrong elements over these rows: {wrong}")
 EOF
-    echo "logs and JSON: $OUTDIR"
+    echo "logs and JSON: $OUTDIR (all but gpu_check.log and summary.txt packed into results.tgz)"
 } 2>&1 | tee -a "$LOG" | tee "$OUTDIR/summary.txt"
+
+# A device call brings back at most 8 files from $OUT, and the steps write about 17: pack all but the log and
+# the summary into one archive (the files stay where tar fails)
+(cd "$OUTDIR" && files=$(ls | grep -vxE 'gpu_check\.log|summary\.txt|results\.tgz') && [ -n "$files" ] \
+    && tar czf results.tgz $files && rm -f $files)
 
 for rc in "${RCS[@]}"; do [ "$rc" = 0 ] || exit 1; done
 exit 0
