@@ -24,7 +24,10 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         tests = ["tests/gpu/test_cuda_collectives.py", "-k", "every_op_and_dtype or back_to_back"]
     if variant == "ipc-stream":  # every GPU test that communicates, with the step handshake on the streams
         env["RINGCOMM_TRANSPORT"] = "ipc-stream"  # (the kernels' tests open no communicator: run once)
-        tests = ["tests/gpu", "--ignore=tests/gpu/test_cuda_kernels.py"]
+        env["RINGCOMM_EMULATED_WORK_QUEUES"] = "2"  # few work queues, as under MPS: streams share them
+        # (but the watchdog's release, which then sits behind the caller's stream: a known limit, README's
+        # GPUs; that test runs in the other variants, with CUDA's 8 work queues)
+        tests = ["tests/gpu", "--ignore=tests/gpu/test_cuda_kernels.py", "-k", "not watchdog"]
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
         tests = ["tests/gpu/test_cuda_topology.py", "tests/gpu/test_cuda_collectives.py", "-k",

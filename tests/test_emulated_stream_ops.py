@@ -40,8 +40,22 @@ def _load(name: str, path, package: bool = False):
 
 @pytest.fixture
 def gpu(monkeypatch, emulated_gpu_env):
-    """A fresh CuPy stand-in (2 devices, device 0 current on this thread) and the driver stand-in
-    bound to it; queued work left over is dropped at the end (the progress thread then idles)."""
+    """A fresh CuPy stand-in (2 devices, device 0 current on this thread, CUDA's 8 work queues)
+    and the driver stand-in bound to it; queued work left over is dropped at the end (the progress
+    thread then idles)."""
+    for var in ("RINGCOMM_EMULATED_WORK_QUEUES", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.delenv(var, raising=False)
+    yield from _stand_in(monkeypatch, emulated_gpu_env)
+
+
+@pytest.fixture
+def gpu_one_work_queue(monkeypatch, emulated_gpu_env):
+    """As ``gpu``, every stream of the process aliased onto one work queue."""
+    monkeypatch.setenv("RINGCOMM_EMULATED_WORK_QUEUES", "1")
+    yield from _stand_in(monkeypatch, emulated_gpu_env)
+
+
+def _stand_in(monkeypatch, emulated_gpu_env):
     monkeypatch.setenv("RINGCOMM_EMULATED_HARNESS", emulated_gpu_env["RINGCOMM_EMULATED_HARNESS"])
     monkeypatch.setenv("RINGCOMM_EMULATED_DEVICES", "2")
     for var in ("RINGCOMM_EMULATED_PEER_ACCESS", "RINGCOMM_EMULATED_NO_STREAM_MEM_OPS",
@@ -202,6 +216,24 @@ def test_a_write_on_one_stream_releases_a_wait_on_another_without_any_host_sync(
     assert _until(lambda: host[1] == 1), "the waiting stream did not go on by itself"
     assert cp._emulated_kernels_run() == 1
     assert (dst._np() == np.arange(1, 257)).all()
+
+
+def test_streams_aliased_onto_one_work_queue_run_in_the_order_queued(gpu_one_work_queue):
+    """RINGCOMM_EMULATED_WORK_QUEUES=1: a write queued on stream B after a wait on stream A sits
+    behind that wait, though it would satisfy it (on a GPU whose streams share a work queue it
+    never runs: the first ipc-stream test run under MPS hung so); a store from the host releases
+    both. On streams of different work queues the same write releases the wait (the test above)."""
+    g = gpu_one_work_queue
+    d, cp = g.d, g.cp
+    flags, host = _flags(g)
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    assert d.cuStreamWaitValue32(d.CUstream(a.ptr), d.CUdeviceptr(flags.data.ptr), 1, g.GEQ) == g.ok
+    assert d.cuStreamWriteValue32(d.CUstream(b.ptr), d.CUdeviceptr(flags.data.ptr + 4), 1, g.DEFAULT) == g.ok
+    assert d.cuStreamWriteValue32(d.CUstream(b.ptr), d.CUdeviceptr(flags.data.ptr), 1, g.DEFAULT) == g.ok
+    time.sleep(0.05)  # the progress thread looks every 0.5 ms
+    assert host.tolist() == [0, 0, 0, 0] and not b.done and not a.done
+    host[0] = 1
+    assert _until(lambda: b.done and a.done) and host[1] == 1
 
 
 def test_queries_never_block(gpu):

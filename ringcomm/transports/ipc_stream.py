@@ -36,10 +36,19 @@ wait is queued on a stream of the communicator's own (:class:`Handshake`), an ev
 after it, and the caller's stream waits on that event: the kernels that depend on a wait are
 ordered by an event CUDA knows, and the caller's stream itself never holds a value wait (other
 work queued on it by the user is not stuck behind the memory operation in the stream's hardware
-queue). Streams of one process share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default);
-with more streams than that, a wait can delay unrelated streams mapped to the same queue (never
-the writes it waits for: those are on the neighbour's streams, in another process). Contexts of
-several processes on one GPU are time-sliced: a context whose streams all wait yields the GPU.
+queue). Streams of one process are aliased onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues
+(8 by default, fewer per client under MPS), round robin as they are made; work on streams of one
+work queue runs in the order it was queued, so a wait delays unrelated streams of its work queue,
+never the writes it waits for (those are on the neighbour's streams, in another process; this
+process's own writes are queued in the ring's order, before the waits that depend on them). The
+one write queued out of that order is the watchdog's release (below), and it takes effect only if
+its stream's work queue holds nothing that waits for the stuck wait: not the wait stream (the
+release stream is made right after it, so they share a work queue only when there is one:
+CUDA_DEVICE_MAX_CONNECTIONS=1, warned about), but a caller's stream (which waits on the wait
+stream's events) may share it. With few work queues (MPS) a release may then not take effect: the
+TimeoutError is still raised and close() still returns within its timeout, but the caller's stream
+stays held (counters in host memory, which the watchdog could store to, would lift this). Contexts
+of several processes on one GPU are time-sliced: a context whose streams all wait yields the GPU.
 
 Deadlines: a stuck peer cannot be seen by a host wait, so a watchdog thread (one per communicator,
 :class:`Handshake`) follows an event recorded after every wait. When the oldest pending wait has not
@@ -55,8 +64,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,11 +161,15 @@ class Handshake:
         import cupy
 
         self.comm, self.device_id, self.ops = comm, device_id, StreamOps()
-        with cupy.cuda.Device(device_id):
+        with cupy.cuda.Device(device_id):  # the release stream right after the wait stream (module doc)
             self.wait_stream = cupy.cuda.Stream(non_blocking=True)
+            self._release_stream = cupy.cuda.Stream(non_blocking=True)
             self.signal_stream = cupy.cuda.Stream(non_blocking=True)
             self._signalled = cupy.cuda.Event(block=False, disable_timing=True)
-            self._release_stream = cupy.cuda.Stream(non_blocking=True)
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+            warnings.warn("ringcomm ipc-stream: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on "
+                          "one work queue: a stuck neighbour's TimeoutError is still raised, but the watchdog cannot "
+                          "release this rank's streams (they stay held)", RuntimeWarning, stacklevel=2)
         self._cupy = cupy
         self._pending: collections.deque[_Wait] = collections.deque()
         self._free: list = []  # completed events, to reuse

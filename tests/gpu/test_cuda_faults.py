@@ -178,3 +178,16 @@ def test_ipc_stream_without_stream_memory_operations_is_ipc(monkeypatch):
         assert comm.transport_name(x) == "ipc"
     comm.all_reduce(x)
     assert (cupy.asnumpy(x) == MPI.COMM_WORLD.size).all()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ipc_stream_warns_when_every_stream_shares_one_work_queue(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1: ipc-stream warns, at its first call, that its watchdog could
+    not release a stuck stream; the call itself is right."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    comm = comm_with("ipc-stream")
+    x = cupy.ones(1000, cupy.float32)
+    with pytest.warns(RuntimeWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        comm.all_reduce(x)
+    assert (cupy.asnumpy(x) == MPI.COMM_WORLD.size).all()
+    comm.close()

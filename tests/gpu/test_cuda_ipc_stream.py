@@ -31,19 +31,37 @@ def _use_local_gpu() -> None:
     node.Free()
 
 
+class Gate:
+    """A word of pinned host memory that holds a stream back (a value wait queued on it) until the
+    host opens it with a plain store. Not a write queued on another stream: streams share the GPU's
+    hardware work queues (few per process under MPS), and such a write can sit behind the very wait
+    it should release (under MPS on an H200, 2026-12-04, test_the_call_returns_before_any_of_its_kernels_ran
+    hung so). With unified addressing, pinned memory's device address is its host address."""
+
+    def __init__(self) -> None:
+        self._mem = cupy.cuda.alloc_pinned_memory(4)
+        self._word = np.frombuffer(self._mem, np.uint32, 1)
+        self._word[0] = 0
+
+    def hold(self, stream) -> None:
+        StreamOps().wait(stream, self._mem.ptr, 1)
+
+    def open(self) -> None:
+        self._word[0] = 1
+
+
 def _gated(count: int):
     """An ipc-stream communicator past its first call (mappings and flags set up), a stream, an
-    input of ``count`` float32 (arange + rank) and a closed gate word for StreamOps waits."""
+    input of ``count`` float32 (arange + rank) and a closed Gate."""
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     comm = comm_with("ipc-stream", small_bytes=0)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         x = cupy.arange(count, dtype=cupy.float32) + mpi.rank
-        gate = cupy.zeros(1, cupy.uint32)
     comm.all_reduce(cupy.ones(16, cupy.float32), stream=s)  # set-up (mappings, flags) on a first call
     s.synchronize()
-    return mpi, mpi.rank, mpi.size, comm, StreamOps(), s, x, gate
+    return mpi, mpi.rank, mpi.size, comm, s, x, Gate()
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
@@ -51,9 +69,9 @@ def test_the_call_returns_before_any_of_its_kernels_ran():
     """Rank 0's stream is held by a gate (a value wait) queued before the call: all_reduce(x,
     stream=s) still returns, with nothing on s having run (an event after it is not complete, and
     on the emulated GPU no kernel ran); once the gate opens, the result is right on every rank."""
-    mpi, r, n, comm, ops, s, x, gate = _gated(10_001)
+    mpi, r, n, comm, s, x, gate = _gated(10_001)
     if r == 0:
-        ops.wait(s, gate.data.ptr, 1)
+        gate.hold(s)
     ran = cupy._emulated_kernels_run() if hasattr(cupy, "_emulated_kernels_run") else None
     comm.all_reduce(x, stream=s)
     comm.all_reduce(x, stream=s)  # a second call queues behind the first, still no host wait
@@ -65,7 +83,7 @@ def test_the_call_returns_before_any_of_its_kernels_ran():
             if ran is not None:
                 assert cupy._emulated_kernels_run() == ran, "a kernel ran before the call's stream reached it"
         finally:  # open the gate whatever happened: the other ranks wait for this one's stream
-            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
+            gate.open()
     deadline_barrier(mpi)
     s.synchronize()
     base = np.arange(10_001, dtype=np.float64)
@@ -118,16 +136,10 @@ def test_close_waits_for_the_queued_work_before_unmapping():
     import threading
     import time
 
-    mpi, r, n, comm, ops, s, x, gate = _gated(100_000)
+    mpi, r, n, comm, s, x, gate = _gated(100_000)
     if r == 1:
-        ops.wait(s, gate.data.ptr, 1)
-        dev = cupy.cuda.runtime.getDevice()
-
-        def open_gate() -> None:  # a new thread: its driver calls need the device's context current
-            cupy.cuda.Device(dev).use()
-            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
-
-        opener = threading.Timer(0.5, open_gate)
+        gate.hold(s)
+        opener = threading.Timer(0.5, gate.open)
         opener.start()
     comm.all_reduce(x, stream=s)
     t0 = time.monotonic()
@@ -153,18 +165,17 @@ def test_send_scratch_is_not_overwritten_by_a_call_on_another_stream(monkeypatch
     mpi = MPI.COMM_WORLD
     r, n = mpi.rank, mpi.size
     comm = comm_with("ipc-stream", small_bytes=0)
-    ops = StreamOps()
+    gate = Gate()
     m = 4096
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with a:
         out1, out2 = cupy.zeros(n * m, cupy.float32), cupy.zeros(n * m, cupy.float32)
-        gate = cupy.zeros(1, cupy.uint32)
         comm.all_gather(cupy.full(m, -1.0, cupy.float32), out=cupy.empty(n * m, cupy.float32), stream=a)  # set-up
         out1[r * m:(r + 1) * m] = 1 + 10 * r
         out2[r * m:(r + 1) * m] = 2 + 10 * r
     a.synchronize()
     if r == 1:
-        ops.wait(a, gate.data.ptr, 1)
+        gate.hold(a)
     try:
         comm.all_gather(out1[r * m:(r + 1) * m], out=out1, stream=a)
         comm.all_gather(out2[r * m:(r + 1) * m], out=out2, stream=b)
@@ -172,7 +183,7 @@ def test_send_scratch_is_not_overwritten_by_a_call_on_another_stream(monkeypatch
             time.sleep(0.5)  # rank 0's call 2 on B has every chance to overwrite its scratch now
     finally:
         if r == 1:
-            ops.write(cupy.cuda.Stream(non_blocking=True), gate.data.ptr, 1)
+            gate.open()
     a.synchronize()
     b.synchronize()
     for out, base in ((out1, 1), (out2, 2)):

@@ -28,6 +28,13 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   held by an unsatisfied value wait poll until some process writes the value (forever if none
   does); queries (``done``) never block. Queued work runs under one process-wide lock.
   ``_emulated_kernels_run()``: how many kernel launches this process has executed (not queued).
+- hardware work queues: as a GPU, a process's streams are aliased onto k work queues, round robin
+  in the order they are made (the null stream keeps its own): work queued on a stream also runs
+  after everything queued before it on the other streams of its work queue, so a value write queued
+  behind a value wait on the same work queue never runs while that wait holds. k is
+  CUDA_DEVICE_MAX_CONNECTIONS (CUDA's default 8); RINGCOMM_EMULATED_WORK_QUEUES=<k> overrides it
+  (under MPS the clients share one pool of work queues, so each gets fewer: an H200 under MPS hung
+  on a write queued 4 streams after the wait it was to release, and did not without MPS).
 - NCCL: ``cupy.cuda.nccl`` (_nccl.py) with CuPy 14's signatures, its collectives done with MPI and
   queued on the given stream; RINGCOMM_EMULATED_NCCL_VERSION picks the NCCL version it reports.
 - devices: RINGCOMM_EMULATED_DEVICES=<n> (default 1) devices, the same n in every process of a node
@@ -79,6 +86,9 @@ _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy
 _lock = threading.RLock()
 _progress = threading.Condition(_lock)  # wakes the progress thread (a memory operation was queued)
 _POLL = 0.0005  # seconds between two looks at an unsatisfied value wait
+_WORK_QUEUES = max(1, int(os.environ.get("RINGCOMM_EMULATED_WORK_QUEUES")
+                          or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8))
+_work_queue_ids = itertools.count()
 _kernels_run = 0  # kernel launches executed (not queued) by this process
 _driver_initialized = False  # cuInit done (by the runtime on a thread's first context, or cuInit)
 
@@ -574,6 +584,7 @@ class Stream:
         self.device_id = -1 if null or ptds else _current_device()
         self._queue: collections.deque = collections.deque()
         self._last_memop = None
+        self._work_queue = None if null else next(_work_queue_ids) % _WORK_QUEUES
         with _lock:
             Stream._by_ptr[self.ptr] = self
 
@@ -592,6 +603,9 @@ class Stream:
                 before = [s for s in list(Stream._by_ptr.values()) if s.blocking and s.device_id == dev]
             else:
                 before = [Stream.null] if self.blocking else []
+                if self._work_queue is not None:  # the streams aliased onto this one's work queue
+                    before += [s for s in list(Stream._by_ptr.values())
+                               if s is not self and s._work_queue == self._work_queue]
             for s in before:
                 m = s._mark()
                 if m is not None:
