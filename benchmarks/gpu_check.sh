@@ -7,10 +7,12 @@
 # The GPU image lacks some of what the check needs. Carry these wheels in wheels/ (git-ignored), made on any
 # machine with internet by one command (the Python version is the image's: the first line this script prints):
 #
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d wheels mpich==5.0.2 mpi4py==4.1.2 mpi-pytest==2026.0 ml_dtypes==0.7.0 pytest==9.2.0 iniconfig==2.3.1 packaging==26.4 pluggy==1.7.0 pygments==2.21.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 -d wheels mpich==5.0.2 mpi4py==4.1.2 mpi-pytest==2026.0
 #
-# (11 wheels, 25 MB: MPICH and mpi4py, mpi-pytest, ml_dtypes, pytest and its four dependencies, NVIDIA's
-# cuda-bindings and cuda-pathfinder; numpy and CuPy come with the image.)
+# (3 wheels, 15 MB: MPICH with its mpiexec, the mpi4py built for it, mpi-pytest. The H200 image of 2026-12-04 has
+# the rest: numpy, CuPy, NCCL, cuda-bindings, ml_dtypes, pytest. On another image the set-up's last line names
+# what is missing; add those to the command: ml_dtypes==0.7.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
+# pytest==9.2.0 iniconfig==2.3.1 packaging==26.4 pluggy==1.7.0 pygments==2.21.0.)
 #
 # 1. set-up: installs the carried wheels (.whl/, wheels/ or $WHEELS), prints what the results depend on (GPU,
 #    compute mode, MIG, MPS, /dev/shm, driver, CUDA, CuPy, NCCL and MPI versions, whether mpiexec is the MPI
@@ -45,20 +47,22 @@ export PYTHONUNBUFFERED=1 RINGCOMM_TEST_TIMEOUT=${RINGCOMM_TEST_TIMEOUT:-20} PIP
 T0=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 
-# Every step's limit in seconds (first guesses: nothing has run on a GPU yet; the summary prints what each took).
-# The set-up's own commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, probe 15: 43 s).
+# Every step's limit in seconds (a command gets 5 s less): the times of the first runs on an H200 (2026-12-04:
+# set-up 6, compile 8 on a fresh machine, tests N=1 23, kernel bench 8, all-reduce 7, host cost 4, bench 11) with
+# room; the multi-rank tests start an mpiexec per test (3.5-10 s each: N=2 15 tests, N=3,4 10). The set-up's own
+# commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, MPS 10 + 20, probe 15).
 PLAN=(
-    "setup 40"
-    "compile 25"
-    "tests N=1 50"
-    "tests N=2 50"
-    "kernel bench 25"
-    "allreduce ipc vs staged 20"
+    "setup 20"
+    "compile 20"
+    "tests N=1 40"
+    "tests N=2 90"
+    "kernel bench 15"
+    "allreduce ipc vs staged 15"
     "gpu host cost 15"
-    "ringcomm-bench 55"
-    "ipc-stream bench 60"
-    "tests N=3,4 55"
-    "zero GPU tests 25"
+    "ringcomm-bench 25"
+    "ipc-stream bench 90"
+    "tests N=3,4 80"
+    "zero GPU tests 10"
 )
 declare -A LIMIT=()
 TOTAL=0
@@ -109,12 +113,34 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
     say "GPU: nvidia-smi not found (compute mode and driver unknown)"
 fi
+# Several ranks on one GPU: without MPS the GPU time-slices their contexts, and a step that waits on another
+# rank's GPU work waits out time slices (the first run on an H200, 2026-12-04: ipc 3.5 ms per all-reduce at
+# N = 4 from 64 KiB to 4 MiB, ipc-stream 3-4 ms per step). With MPS their kernels share the GPU at once, as
+# ranks on GPUs of their own would. So the check starts an MPS daemon of its own (GPU_CHECK_MPS=0: it does
+# not), keeps it only if a CUDA client runs under it, and stops it at the end.
 MPS_PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+MPS="time-sliced"
 if [ -e "$MPS_PIPE/control" ]; then
+    MPS="MPS"
     say "MPS: a control daemon runs (pipe in $MPS_PIPE): ranks on one GPU share it through MPS"
+elif [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/ringcomm_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ringcomm_mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if timeout 10 nvidia-cuda-mps-control -d >>"$LOG" 2>&1 &&
+        timeout 20 $PY -c "import cupy; assert int(cupy.arange(4).sum()) == 6" >>"$LOG" 2>&1; then
+        MPS="MPS"
+        trap 'echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+        say "MPS: started a control daemon (pipe in $CUDA_MPS_PIPE_DIRECTORY): ranks on one GPU share it" \
+            "(GPU_CHECK_MPS=0: they time-slice it)"
+    else
+        echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        say "MPS: a daemon of our own did not serve a CUDA client (see the log and $CUDA_MPS_LOG_DIRECTORY):" \
+            "ranks on one GPU time-slice it"
+    fi
 else
     say "MPS: no control daemon (no $MPS_PIPE/control): ranks on one GPU time-slice it" \
-        "($(command -v nvidia-cuda-mps-control >/dev/null 2>&1 && echo 'nvidia-cuda-mps-control is installed' || echo 'no nvidia-cuda-mps-control'))"
+        "($(command -v nvidia-cuda-mps-control >/dev/null 2>&1 && echo 'GPU_CHECK_MPS=0' || echo 'no nvidia-cuda-mps-control'))"
 fi
 say "/dev/shm: $(df -h /dev/shm 2>/dev/null | awk 'NR == 2 {print $2 " size, " $4 " free"}' || echo unknown)" \
     "(MPI and NCCL between ranks of one node use it; under 1 GB can make NCCL fail)"
@@ -250,7 +276,7 @@ TESTLOG=$OUTDIR/gpu_tests.log
 run_tests() {  # NAME MARKEXPR [FILES]: mpi-pytest marks a test parallel[n] for each of its nprocs
     local name=$1 expr=$2 files=${3:-tests/gpu}
     step "$name" bash -o pipefail -c \
-        "$PY -m pytest $files -q -rs -p no:cacheprovider ${expr:+-m '$expr'} 2>&1 | tee -a '$TESTLOG'"
+        "$PY -m pytest $files -v -rs --durations=5 -p no:cacheprovider ${expr:+-m '$expr'} 2>&1 | tee -a '$TESTLOG'"
 }
 # N=1: the unmarked kernel tests (tests/gpu/test_cuda_kernels.py) and the parallel[1] ones
 run_tests "tests N=1" "not parallel or parallel[1]"
@@ -262,7 +288,8 @@ step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.
 # ----------------------------------------------------------------- 5. all-reduce 1 GiB, IPC vs staged
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
-step "gpu host cost" mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --iters 50 --json "$OUTDIR/gpu_host_cost.json"
+step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --iters 50 --json '$OUTDIR/gpu_host_cost.json' &&
+    mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 
 # ------------------------------------------------------------ 6. ringcomm against NCCL and MPI, 2 ranks
 # the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured
@@ -290,7 +317,7 @@ run_tests "zero GPU tests" "" tests/test_zero_gpu.py
     echo "================================ ringcomm GPU check summary ================================"
     printf '%-26s %6s %7s %6s\n' step rc seconds limit
     for i in "${!NAMES[@]}"; do printf '%-26s %6s %7s %6s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}" "${LIMIT[${NAMES[$i]}]}"; done
-    echo "total $(($(date +%s) - T0))s of the ${BUDGET}s budget"
+    echo "total $(($(date +%s) - T0))s of the ${BUDGET}s budget; ranks on the one GPU: $MPS"
     echo
     echo "pytest result lines (outer runs and each rank of the multi-rank ones):"
     grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$TESTLOG" | sed 's/^=* *//; s/ *=*$//' | sort | uniq -c | head -20

@@ -1,7 +1,7 @@
 """Where a GPU all-reduce's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
 
     mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged ipc-stream]
-                                                     [--sizes 8 64K 1M] [--iters 200] [--json out.json]
+                                                     [--sizes 8 64K 1M] [--iters 200] [--top K] [--json out.json]
 
 For each transport (RINGCOMM_TRANSPORT, one Communicator each) and size: a float32 all-reduce out of
 place, called back to back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
@@ -16,6 +16,9 @@ place, called back to back (``--iters`` calls after 20 warm-up ones, the stream 
 - ``wait``: polling and yielding the core while a neighbour or the GPU is not done
   (``transports.base.wait_until`` and its polls, ``os.sched_yield``);
 - ``other``: the benchmark's own loop.
+
+``--top K`` also lists, under each row, rank 0's K functions of most own time (profiled us per call, calls
+per call), builtins and mpi4py's methods by name: what a share is made of.
 
 numpy, the standard library, builtins, lambdas, and calls cProfile does not see (compiled Cython
 functions: mpi4py's, and some of CuPy's) count for whoever called them.
@@ -93,11 +96,20 @@ def split(stats: pstats.Stats) -> dict[str, float]:
     return seconds
 
 
+def top(stats: pstats.Stats, k: int, calls: int) -> list[dict]:
+    """The k functions of most own time: profiled us and calls per collective call."""
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:k]
+    label = lambda f: f[2] if f[0] == "~" else f"{os.path.basename(f[0])}:{f[1]}({f[2]})"  # noqa: E731
+    return [{"function": label(key), "us_per_call": tt * 1e6 / calls, "calls_per_call": nc / calls}
+            for key, (_, nc, tt, _, _) in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transports", nargs="+", default=["ipc", "staged", "ipc-stream"])
     p.add_argument("--sizes", nargs="+", default=["8", "64K", "1M"], help="buffer sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--top", type=int, default=0, metavar="K", help="list rank 0's K functions of most own time")
     p.add_argument("--json")
     args = p.parse_args(argv)
 
@@ -143,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             prof.enable()
             loop(args.iters)
             prof.disable()
-            seconds = split(pstats.Stats(prof))
+            stats = pstats.Stats(prof)
+            seconds = split(stats)
             total = sum(seconds.values()) or 1.0
             us = {k: per_call * 1e6 * v / total for k, v in seconds.items()}
             rows.append({"transport": name, "ran": ran, "ranks": n, "bytes": x.nbytes, "steps": steps,
                          "algorithm": "gather-fold" if small else "ring", "us_per_call": per_call * 1e6,
                          "us_per_step": per_call * 1e6 / max(steps, 1), "us_by_side": us,
-                         "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()}, "wrong": wrong})
+                         "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()}, "wrong": wrong,
+                         "top": top(stats, args.top, args.iters)})
         comm.close()
         del os.environ["RINGCOMM_TRANSPORT"]
     if r == 0:
@@ -161,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
                   f"{row['us_per_call']:9.1f} {row['us_per_step']:8.1f}"
                   + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES) + f" {row['wrong']:6d}")
+            for fn in row["top"]:
+                print(f"{'':>12}{fn['us_per_call']:9.1f} us {fn['calls_per_call']:6.1f}x  {fn['function']}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"benchmark": "gpu_host_cost", "rows": rows}, f, indent=1)

@@ -365,15 +365,13 @@ def h200_topology(nodes: int, overhead: float, channels: int = 1) -> Topology:
 # ------------------------------------------------------------------------------------------------ CLI
 
 #: one H200 shared by the ranks (tests on one GPU): seconds of overhead per ring step, by transport.
-#: ipc: the host records an event and polls it (the kernel's completion seen on the host), sends
-#: "ready" and "done" MPI messages through shared memory, and runs the engine's Python (this
-#: machine's fitted alpha, 17 us): about 30 us. ipc-stream: the step is queued, not waited for; its
-#: pace is the host's queueing (the engine's Python and three driver calls, about 10 us) or, when
-#: the GPU is slower, the GPU's (a satisfied stream wait and an event hop, a few us). NCCL: one kernel
-#: per call, steps synchronised on the GPU (about 1 us), kernels concurrent only under MPS (NCCL's
-#: kernels spin: time-sliced without MPS, NCCL's numbers are not these). Assumptions until
-#: benchmarks/gpu_check.sh measures them (its "ipc-stream bench" step).
-ONE_GPU_OVERHEAD = {"ipc": 30e-6, "ipc-stream": 10e-6, "nccl": 1e-6}
+#: ipc and ipc-stream: measured on an H200 under MPS (benchmarks/gpu_check.sh, 2026-12-04: all_reduce
+#: at N = 2 takes 300-330 us (ipc) and 210-255 us (ipc-stream) per call from 1 to 16 MiB, two ring
+#: steps whose bytes take a few us: the host's Python, kernel launches and, for ipc, the handshake's
+#: host waits; 30 and 10 us were assumed before). NCCL: one kernel per call, steps synchronised on the
+#: GPU (about 1 us), kernels concurrent only under MPS (NCCL's kernels spin: time-sliced without MPS,
+#: NCCL's numbers are not these); still an assumption (NCCL 2.28 refuses ranks sharing a GPU).
+ONE_GPU_OVERHEAD = {"ipc": 150e-6, "ipc-stream": 110e-6, "nccl": 1e-6}
 
 
 def one_gpu_topology(ranks: int, transport: str, hbm: float = H200_MEM_BW) -> Topology:
@@ -486,7 +484,8 @@ def _cmd_one_gpu(args: argparse.Namespace) -> str:
         rows.append(cells)
     head = [f"{args.collective} busbw (GB/s) predicted on one H200 (HBM {H200_MEM_BW / 1e12:g} TB/s) shared by the "
             "ranks; per-step overheads " + ", ".join(f"{t} {ONE_GPU_OVERHEAD[t] * 1e6:g} us" for t in names)
-            + " (ringcomm.model.ONE_GPU_OVERHEAD: assumptions until a GPU measures them)", ""]
+            + " (ringcomm.model.ONE_GPU_OVERHEAD: ipc's and ipc-stream's measured on an H200 under MPS, NCCL's assumed)",
+            ""]
     return "\n".join(head) + _table(["size"] + [f"N={n} {t}" for n in ranks for t in names], rows)
 
 

@@ -236,7 +236,7 @@ def test_bad_arguments_are_errors():
 
 def test_one_gpu_transports_differ_by_their_step_cost_only(capsys):
     """On one shared GPU the bytes cost every transport alike: ipc-stream beats ipc by its smaller
-    per-step cost, most at medium sizes, and all approach the same busbw at 1 GiB."""
+    per-step cost, most at medium sizes, and the gap closes toward 1 GiB (within 30 %)."""
     from ringcomm.model import ONE_GPU_OVERHEAD, one_gpu_topology
 
     mib, gib = 1 << 20, 1 << 30
@@ -244,7 +244,7 @@ def test_one_gpu_transports_differ_by_their_step_cost_only(capsys):
         bw = {t: predict("all_reduce", mib, one_gpu_topology(n, t)).busbw for t in ONE_GPU_OVERHEAD}
         assert bw["nccl"] > bw["ipc-stream"] > bw["ipc"]
         big = {t: predict("all_reduce", gib, one_gpu_topology(n, t)).busbw for t in ONE_GPU_OVERHEAD}
-        assert max(big.values()) / min(big.values()) < 1.1
+        assert max(big.values()) / min(big.values()) < 1.3 < max(bw.values()) / min(bw.values())
         # 2(N-1) steps of S/N, each paced by the shared HBM, plus the step cost
         p = predict("all_reduce", gib, one_gpu_topology(n, "ipc"))
         hbm = model.H200_MEM_BW
