@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             x = cp.asarray(base + r)
             out = cp.empty_like(x)
             ran = comm.transport_name(x)
-            small = n > 1 and x.nbytes <= comm.small_bytes
-            steps = (n - 1) if small else len(schedule.all_reduce(n, comm.position))
+            small = n > 1 and x.nbytes <= comm.small_bytes  # (collectives.all_reduce's rule)
+            algorithm = ("via host" if comm._via_host("cuda") else "gather-fold") if small else "ring"
+            steps = {"via host": 1, "gather-fold": n - 1}.get(algorithm) or len(schedule.all_reduce(n, comm.position))
 
             def loop(calls: int) -> None:
                 for _ in range(calls):
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(seconds.values()) or 1.0
             us = {k: per_call * 1e6 * v / total for k, v in seconds.items()}
             rows.append({"transport": name, "ran": ran, "ranks": n, "bytes": x.nbytes, "steps": steps,
-                         "algorithm": "gather-fold" if small else "ring", "us_per_call": per_call * 1e6,
+                         "algorithm": algorithm, "us_per_call": per_call * 1e6,
                          "us_per_step": per_call * 1e6 / max(steps, 1), "us_by_side": us,
                          "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()}, "wrong": wrong,
                          "top": top(stats, args.top, args.iters)})

@@ -184,7 +184,9 @@ def all_reduce(
     ctx = Context("all_reduce", comm, device, src.dtype, op)
     ctx.wide = wide
     shared = comm._shared if kind == "host" else None
-    if 1 < n and src.nbytes <= comm.small_bytes and (shared is None or src.nbytes <= shared.small):
+    if 1 < n and src.nbytes <= comm.small_bytes and comm._via_host(kind):
+        _small_via_host(comm, ctx, src, work, op, accumulate)
+    elif 1 < n and src.nbytes <= comm.small_bytes and (shared is None or src.nbytes <= shared.small):
         # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
         # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result).
         # With a window, what its slots cannot hold goes to its inbox (Communicator._run) or the
@@ -200,6 +202,26 @@ def all_reduce(
         comm._run(ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src,
                   result_chunks=range(n))
     return x if out is None else out
+
+
+def _small_via_host(comm: Any, ctx: Context, src: Any, work: Any, op: ReduceOp, accumulate: str | None) -> None:
+    """A small GPU all-reduce on a transport that waits on the host anyway: the buffer is copied to
+    pinned host memory, all-reduced there (the host's gather-fold: in the shared-memory window, or
+    one persistent MPI_Allgather, then a local fold in the ring's order) and copied back on the
+    stream. Bitwise the ring's result (the kernels' arithmetic is the host's, bit for bit: csrc/),
+    with one host wait for the copy in where the GPU's gather-fold pays N-1 ring steps, each a
+    kernel, a host wait for it and MPI messages (250-300 us a call at N = 2 on an H200, where MPI's
+    copy, host sum and copy back took 30 us). The stage is a reused pinned buffer: a call's copy into it
+    waits on the GPU for the last call's copy out of it."""
+    device, key = ctx.device, (ctx.device.name, "host stage")
+    stage = comm._scratch_array(key, device, src.size, src.dtype, pinned=True)
+    if _debug(DEBUG):
+        logging.getLogger("ringcomm").debug("all_reduce: rank %d/%d: %d B of GPU memory through the host (copied out, the host's all-reduce, "
+                  "copied back; small_bytes %d)", comm.rank, comm.size, src.nbytes, comm.small_bytes)
+    device.to_host(stage, src, ctx, "this rank's GPU work before the call, and its copy to the host")
+    all_reduce(comm, stage, op, accumulate=accumulate)
+    device.from_host(work, stage)
+    comm._scratch_done(key, device)
 
 
 def reduce_scatter(

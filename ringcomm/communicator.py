@@ -351,6 +351,12 @@ class Communicator:
             link = self._transports[kind] = self._guarded(lambda: transports.select(self, kind))
         return link
 
+    def _via_host(self, kind: str) -> bool:
+        """Whether small all-reduces of ``kind`` arrays go through the host (collectives.all_reduce):
+        GPU arrays whose ring waits on the host anyway, every edge but ipc-stream (whose calls only
+        queue their steps on the GPU and return)."""
+        return kind != "host" and "ipc-stream" not in self._transport(kind).current()
+
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
 
@@ -358,13 +364,13 @@ class Communicator:
         """``bounds`` by MPI rank (shards) as the schedule's chunks by ring place."""
         return bounds if self._ring_is_identity else schedule.in_ring_order(bounds, self.ring)
 
-    def _scratch_array(self, kind: Any, device: Any, count: int, dtype: np.dtype) -> Any:
+    def _scratch_array(self, kind: Any, device: Any, count: int, dtype: np.dtype, pinned: bool = False) -> Any:
         """A scratch array of ``count`` elements over one reused buffer per ``kind`` (grown when
-        needed), ordered after its use by the previous call; call :meth:`_scratch_done` after the
-        call's last use of it."""
+        needed; ``pinned``: pinned host memory), ordered after its use by the previous call; call
+        :meth:`_scratch_done` after the call's last use of it."""
         reused = self._scratch.get(kind)
         if reused is None:
-            reused = self._scratch[kind] = devices.Reused()
+            reused = self._scratch[kind] = devices.Reused(pinned)
         return reused.take(device, count * np.dtype(dtype).itemsize).view(dtype)
 
     def _scratch_done(self, kind: Any, device: Any) -> None:
@@ -593,8 +599,9 @@ class Communicator:
 
         On the host the blocks meet in the shared-memory window when every rank is on this node
         and they fit (transports.shm.SharedBlocks), else in one persistent MPI_Allgather
-        (transports.mpi.GatheredBlocks, on a communicator of its own); on GPUs the gather is the
-        ring's all-gather schedule as a Plan, into a Reused buffer.
+        (transports.mpi.GatheredBlocks, on a communicator of its own); on GPUs with ipc-stream the
+        gather is the ring's all-gather schedule as a Plan, into a Reused buffer (the other GPU
+        transports go through the host: collectives._small_via_host).
         """
         key = (kind, count, ctx.dtype)
         small = self._gathers.get(key)

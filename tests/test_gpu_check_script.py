@@ -108,8 +108,13 @@ def test_something_missing_stops_the_check_with_one_line(tmp_path):
     assert len(lines) == 1 and lines[0] == out.strip().splitlines()[-1], out
     assert re.search(r"gpu_check: MISSING mpi-pytest: carry the wheels \(the pip download command at the top of "
                      r"benchmarks/gpu_check.sh\) in wheels/ and rerun$", lines[0]), lines[0]
-    # the command at the top names every wheel the set-up requires
-    command = next(line for line in SCRIPT.read_text().splitlines() if line.startswith("#   pip download"))
-    for wheel in ("mpich", "mpi4py", "mpi-pytest", "ml_dtypes", "pytest", "iniconfig", "packaging", "pluggy",
-                  "pygments", "cuda-bindings", "cuda-pathfinder"):
+    # the command at the top names the wheels the H200 image lacks, and its header every other one the set-up
+    # requires, with a version
+    lines = SCRIPT.read_text().splitlines()
+    command = next(line for line in lines if line.startswith("#   pip download"))
+    for wheel in ("mpich", "mpi4py", "mpi-pytest"):
         assert re.search(rf" {re.escape(wheel)}==\S+", command), wheel
+    header = " ".join(line for line in lines[:30] if line.startswith("#"))
+    for wheel in ("ml_dtypes", "pytest", "iniconfig", "packaging", "pluggy", "pygments", "cuda-bindings",
+                  "cuda-pathfinder"):
+        assert re.search(rf" {re.escape(wheel)}==\S+", header), wheel

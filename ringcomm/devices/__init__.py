@@ -5,7 +5,9 @@ Both implement the same small protocol, used by the engine and the transports:
 ``synchronize(ctx, step, peer, what)`` (a wait with the communicator's deadline); for float32
 accumulation of half types ``widen(dst, a)``, ``reduce_acc(dst, a, b, op)`` (float32 partial sums)
 and ``reduce_acc_final(dst, a, b, op, div=1)`` (rounded once); and for :class:`Reused` buffers
-``after(last)``, ``record(last)``, ``retire(buf, last)``.
+``after(last)``, ``record(last)``, ``retire(buf, last)``. CudaDevice also has ``pinned(nbytes)``
+(pinned host memory, for a ``Reused(pinned=True)`` buffer), ``to_host`` and ``from_host`` (copies
+through it, for small all-reduces that go through the host: collectives._small_via_host).
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ class Reused:
     On the host all of this costs nothing: host operations are complete when they return.
     """
 
-    __slots__ = ("buf", "_last", "_device")
+    __slots__ = ("buf", "_last", "_device", "_pinned")
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False) -> None:
         self.buf = None
         self._last = None
         self._device = None
+        self._pinned = pinned  # pinned host memory (a numpy array) that the stream copies into and out of
 
     def take(self, device: Any, nbytes: int) -> Any:
         """A uint8 array of ``nbytes`` over the buffer (grown if needed), safe to use on ``device``'s stream."""
         if self.buf is None or self.buf.size < nbytes:
             self.free()
-            self.buf = device.empty(max(nbytes, 1), "u1")  # new memory, on this call's stream
+            size = max(nbytes, 1)  # new memory, on this call's stream (or pinned host memory)
+            self.buf = device.pinned(size) if self._pinned else device.empty(size, "u1")
         else:
             device.after(self._last)
         self._device = device

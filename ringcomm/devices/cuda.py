@@ -330,6 +330,25 @@ class CudaDevice:
         grid = _grid(k, "ringcomm_copy", self.device_id, -(-nbytes // (16 * UNROLL)))
         k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(src)), _u64(nbytes)), stream=self.stream)
 
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """A numpy uint8 array of ``nbytes`` over new pinned host memory (which the array keeps alive)."""
+        return np.frombuffer(self.xp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+
+    def to_host(self, dst: np.ndarray, src: Any, ctx: Any, what: str) -> None:
+        """``dst[:] = src`` (pinned ``dst``), copied on the stream after the work queued before it, and
+        waited for on the host within the communicator's deadline (``what``: what the error names)."""
+        if src.nbytes:
+            rt = self.xp.cuda.runtime
+            rt.memcpyAsync(dst.ctypes.data, pointer(src), src.nbytes, rt.memcpyDeviceToHost, self.stream.ptr)
+        self.synchronize(ctx, None, ctx.comm.rank, what)
+
+    def from_host(self, dst: Any, src: np.ndarray) -> None:
+        """``dst[:] = src`` (pinned ``src``), queued on the stream: ``src`` must not change before the
+        stream has passed the copy (a :class:`ringcomm.devices.Reused` buffer's event says when)."""
+        if src.nbytes:
+            rt = self.xp.cuda.runtime
+            rt.memcpyAsync(pointer(dst), src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+
     def empty(self, count: int, dtype: Any) -> Any:
         """A new device array from CuPy's pool, allocated on this device's stream.
 

@@ -8,6 +8,7 @@ bitwise agreement with the host path on the same data. One mpiexec launch per N 
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -197,7 +198,7 @@ def test_ipc_failure_falls_back_to_staged_on_that_edge(monkeypatch):
             raise RuntimeError("simulated cudaIpcOpenMemHandle failure")
 
         monkeypatch.setattr(ipc.IpcRecv, "_open", broken)
-    comm = comm_with("ipc")
+    comm = comm_with("ipc", small_bytes=0)  # (a small all-reduce would go through the host)
     x = cupy.arange(1001, dtype=cupy.float64) + mpi.rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -217,10 +218,9 @@ def test_ipc_failure_falls_back_to_staged_on_that_edge(monkeypatch):
 @pytest.mark.parallel(nprocs=[2])
 def test_transport_choice_is_logged(caplog):
     _use_local_gpu()
-    import logging
 
     with caplog.at_level(logging.DEBUG, logger="ringcomm"):
-        comm = make_comm()
+        comm = make_comm(small_bytes=0)  # (a small all-reduce would go through the host)
         x = cupy.ones(100, cupy.float32)
         comm.all_reduce(x)
     t = default_gpu_transport()
@@ -376,7 +376,7 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
 
     monkeypatch.setattr(ipc._Driver, "allocation", allocation)
     monkeypatch.setattr(ipc.IpcRecv, "_open", counted_open)
-    comm, other = comm_with(transport), comm_with(transport)
+    comm, other = comm_with(transport, small_bytes=0), comm_with(transport)  # (comm's 3-element call: the ring's)
     count = 600_000  # each array its own allocation (larger than a pool block)
     x, out = cupy.full(count, r + 1, cupy.float32), cupy.empty(count, cupy.float32)
     want = n * (n + 1) / 2
@@ -406,3 +406,34 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
     assert call() == (0, 0)
     other.close()
     comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_small_all_reduces_go_through_the_host_in_stream_order(caplog):
+    """Up to small_bytes, on transports that wait on the host (ipc, staged), a GPU all-reduce goes
+    through pinned host memory and the host's gather-fold (the DEBUG log says so); with ipc-stream
+    it stays on the GPU. Two calls on two streams back to back, neither waited for: the second
+    call's copy into the reused stage waits on the GPU for the first call's copy out of it (on the
+    emulated GPU that copy is still queued, lazily, when the second call starts), so both are right."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    base = np.arange(1000, dtype=np.float32)
+    for transport in ("ipc", "staged", "ipc-stream"):
+        comm = comm_with(transport)
+        a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+            with a:
+                x1 = cupy.asarray(base) + r
+            comm.all_reduce(x1, stream=a)
+            with b:
+                x2 = cupy.asarray(base) * (r + 1)
+            comm.all_reduce(x2, stream=b)
+        a.synchronize()
+        b.synchronize()
+        assert (host(x1) == base * n + n * (n - 1) // 2).all(), f"{transport}: the first call's result"
+        assert (host(x2) == base * (n * (n + 1) // 2)).all(), f"{transport}: the second call's result"
+        via = [rec for rec in caplog.records if "through the host" in rec.getMessage()]
+        assert len(via) == (0 if transport == "ipc-stream" else 2), (transport, [r.getMessage() for r in via])
+        comm.close()
