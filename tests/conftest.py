@@ -187,6 +187,20 @@ def seed() -> int:
     return shared_seed(MPI.COMM_WORLD)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A rank whose part of a multi-rank test failed leaves its peers waiting in the test's next MPI
+    call (a reference gather, a barrier) for ever, and its own report, printed at the end of its
+    session, is never seen: print it now, then abort every rank, so the test fails with the reason."""
+    report = (yield).get_result()
+    world = MPI.COMM_WORLD
+    if report.failed and world.size > 1:
+        sys.stderr.write(f"\n[ringcomm tests] rank {world.rank} of {world.size}: {item.nodeid} failed ({report.when}); aborting "
+                         f"every rank (the others would wait for it):\n{report.longreprtext}\n")
+        sys.stderr.flush()
+        world.Abort(1)
+
+
 # ------------------------------------------------------------------------------- the emulated GPU
 ROOT = Path(__file__).resolve().parent.parent
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
