@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             out = cp.empty_like(x)
             ran = comm.transport_name(x)
             small = n > 1 and x.nbytes <= comm.small_bytes  # (collectives.all_reduce's rule)
-            algorithm = ("via host" if comm._via_host("cuda") else "gather-fold") if small else "ring"
+            algorithm = ("via host" if comm._via_host("cuda", 0) else "gather-fold") if small else "ring"
             steps = {"via host": 1, "gather-fold": n - 1}.get(algorithm) or len(schedule.all_reduce(n, comm.position))
 
             def loop(calls: int) -> None:

@@ -184,8 +184,8 @@ def all_reduce(
     ctx = Context("all_reduce", comm, device, src.dtype, op)
     ctx.wide = wide
     shared = comm._shared if kind == "host" else None
-    if 1 < n and src.nbytes <= comm.small_bytes and comm._via_host(kind):
-        _small_via_host(comm, ctx, src, work, op, accumulate)
+    if comm._via_host(kind, src.nbytes):
+        _through_host(comm, ctx, count, src, 0, work, partial(all_reduce, comm, op=op, accumulate=accumulate))
     elif 1 < n and src.nbytes <= comm.small_bytes and (shared is None or src.nbytes <= shared.small):
         # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
         # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result).
@@ -204,23 +204,27 @@ def all_reduce(
     return x if out is None else out
 
 
-def _small_via_host(comm: Any, ctx: Context, src: Any, work: Any, op: ReduceOp, accumulate: str | None) -> None:
-    """A small GPU all-reduce on a transport that waits on the host anyway: the buffer is copied to
-    pinned host memory, all-reduced there (the host's gather-fold: in the shared-memory window, or
-    one persistent MPI_Allgather, then a local fold in the ring's order) and copied back on the
-    stream. Bitwise the ring's result (the kernels' arithmetic is the host's, bit for bit: csrc/),
-    with one host wait for the copy in where the GPU's gather-fold pays N-1 ring steps, each a
-    kernel, a host wait for it and MPI messages (250-300 us a call at N = 2 on an H200, where MPI's
-    copy, host sum and copy back took 30 us). The stage is a reused pinned buffer: a call's copy into it
-    waits on the GPU for the last call's copy out of it."""
+def _through_host(comm: Any, ctx: Context, count: int, src: Any, at: int, result: Any, host_call: Any) -> None:
+    """A small GPU collective on a transport that waits on the host anyway (Communicator._via_host):
+    ``src`` is copied to a pinned host stage of ``count`` elements at element ``at``, once the
+    stream's earlier work is done; ``host_call(stage)`` runs the host's collective on the stage (the
+    shared-memory window's plans on one node, MPI's across nodes) and returns the host array to
+    copy into ``result`` (None: nothing to copy back), which is queued on the stream. Bitwise the
+    GPU ring's result (the kernels' arithmetic is the host's, bit for bit: csrc/), with one host
+    wait where the ring pays N-1 or more steps, each a kernel, a host wait for it and MPI messages
+    (250-300 us an all-reduce at N = 2 on an H200, where MPI's copy, host sum and copy back took
+    30 us). The stage is reused: a call's copy into it waits on the GPU for the last call's copy
+    out of it, and the host wait (also where nothing is copied in) for that copy to be done."""
     device, key = ctx.device, (ctx.device.name, "host stage")
-    stage = comm._scratch_array(key, device, src.size, src.dtype, pinned=True)
+    stage = comm._scratch_array(key, device, count, src.dtype, pinned=True)
     if _debug(DEBUG):
-        logging.getLogger("ringcomm").debug("all_reduce: rank %d/%d: %d B of GPU memory through the host (copied out, the host's all-reduce, "
-                  "copied back; small_bytes %d)", comm.rank, comm.size, src.nbytes, comm.small_bytes)
-    device.to_host(stage, src, ctx, "this rank's GPU work before the call, and its copy to the host")
-    all_reduce(comm, stage, op, accumulate=accumulate)
-    device.from_host(work, stage)
+        logging.getLogger("ringcomm").debug(
+            "%s: rank %d/%d: %d B of GPU memory through the host (copied out, the host's collective, copied back; "
+            "small_bytes %d)", ctx.collective, comm.rank, comm.size, stage.nbytes, comm.small_bytes)
+    device.to_host(stage[at:at + src.size], src, ctx, "this rank's GPU work before the call, and its copy to the host")
+    done = host_call(stage)
+    if result is not None:
+        device.from_host(result, done)
     comm._scratch_done(key, device)
 
 
@@ -259,7 +263,10 @@ def reduce_scatter(
     steps = schedule.reduce_scatter(comm.size, comm.position)  # place p ends with chunk p: its own shard
     chunks = comm._in_ring(bounds)
     plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, chunks, -1)
-    if plan is not None:  # the window folds this rank's chunk straight into the result, unless out aliases x
+    if comm._via_host(kind, src.nbytes):  # (into the stage's own shard: the host path allows it)
+        _through_host(comm, ctx, src.size, src, 0, result,
+                      lambda stage: reduce_scatter(comm, stage, op, out=stage[lo:hi], accumulate=accumulate))
+    elif plan is not None:  # the window folds this rank's chunk straight into the result, unless out aliases x
         # (but at 2 ranks out may be x's own shard: its fold is one op, whose last operand is that shard)
         into = result if relation(result, src) == "apart" or comm.size == 2 and relation(result, src[lo:hi]) == "same" \
             else comm._scratch_array(kind, device, hi - lo, src.dtype)
@@ -326,6 +333,9 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         work = device.empty(int(stops[-1]), src.dtype)
         lo, hi = bounds[r]
         mine = work[lo:hi]
+    if out is not None and comm._via_host(kind, work.nbytes):  # (out None: sizes only known once agreed)
+        _through_host(comm, ctx, count, src, lo, work, lambda stage: all_gather(comm, stage[lo:hi], out=stage))
+        return out
     if place != "same":
         device.copy(mine, src)
     steps = schedule.all_gather(n, comm.position)
@@ -358,6 +368,11 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     n = comm.size
     nchunks = schedule.chain_chunks(n, buf.size, buf.itemsize, comm.slice_bytes)
     ctx = Context("broadcast", comm, device, buf.dtype, None)
+    if comm._via_host(kind, buf.nbytes):  # (the root copies out, the others back)
+        mine = comm.rank == root
+        _through_host(comm, ctx, buf.size, buf if mine else buf[:0], 0, None if mine else buf,
+                      partial(broadcast, comm, root=root))
+        return x
     steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
     plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
     if plan is not None:  # cached: the next such call takes the lane
@@ -408,7 +423,10 @@ def reduce(
     steps = schedule.reduce(n, comm.position, comm.ring.index(root), nchunks)
     pieces = schedule.partition(src.size, nchunks)
     plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, pieces, root)
-    if plan is not None:  # the root folds the others' buffers and its own (last) straight into its result
+    if comm._via_host(kind, src.nbytes):  # (the root's result copied back, in place or into out)
+        _through_host(comm, ctx, src.size, src, 0, ((src if rel == "same" else o) if is_root else None),
+                      partial(reduce, comm, op=op, root=root, accumulate=accumulate))
+    elif plan is not None:  # the root folds the others' buffers and its own (last) straight into its result
         into, own = (None, src) if not is_root else (o, src) if rel == "apart" else (src, None)
         if own is None:  # in place: its own buffer is read after the result is first written: fold a copy
             own = comm._scratch_array(kind, device, src.size, src.dtype)

@@ -93,7 +93,8 @@ class Communicator:
     on every rank when they do not (env ``RINGCOMM_CHECK``). ``slice_bytes``: the MPI message size a
     chunk is cut into (env ``RINGCOMM_SLICE_BYTES``). ``small_bytes``: all-reduces of at most this
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
-    (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off). ``shared_memory``: when MPI puts every rank on
+    (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off); GPU collectives of at most this many bytes (an
+    all-gather's out) go through the host, on every GPU transport but ipc-stream. ``shared_memory``: when MPI puts every rank on
     one node, host collectives up to a few MiB meet in an MPI shared-memory window
     instead of MPI messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
     it off for all). Creating a Communicator is collective.
@@ -351,11 +352,13 @@ class Communicator:
             link = self._transports[kind] = self._guarded(lambda: transports.select(self, kind))
         return link
 
-    def _via_host(self, kind: str) -> bool:
-        """Whether small all-reduces of ``kind`` arrays go through the host (collectives.all_reduce):
-        GPU arrays whose ring waits on the host anyway, every edge but ipc-stream (whose calls only
-        queue their steps on the GPU and return)."""
-        return kind != "host" and "ipc-stream" not in self._transport(kind).current()
+    def _via_host(self, kind: str, nbytes: int) -> bool:
+        """Whether a collective of ``nbytes`` (the whole buffer: x, or all_gather's out) of ``kind``
+        arrays goes through the host (collectives._through_host): GPU arrays up to small_bytes
+        whose ring waits on the host anyway, every edge but ipc-stream (whose calls only queue
+        their steps on the GPU and return), on 2 or more ranks."""
+        return kind != "host" and 1 < self.size and nbytes <= self.small_bytes \
+            and "ipc-stream" not in self._transport(kind).current()
 
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
@@ -601,7 +604,7 @@ class Communicator:
         and they fit (transports.shm.SharedBlocks), else in one persistent MPI_Allgather
         (transports.mpi.GatheredBlocks, on a communicator of its own); on GPUs with ipc-stream the
         gather is the ring's all-gather schedule as a Plan, into a Reused buffer (the other GPU
-        transports go through the host: collectives._small_via_host).
+        transports go through the host: collectives._through_host).
         """
         key = (kind, count, ctx.dtype)
         small = self._gathers.get(key)

@@ -372,15 +372,18 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce and reduce_scatter of 3+ ranks: direct)")
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
+        small, above = f"all_reduce up to {comm.small_bytes} B", "above, and every other collective"
         if device == "host":
-            small = f"gather-fold (one persistent MPI_Allgather_init of whole buffers, {fold})"
-        elif ring is not None and comm._via_host(device):
-            small = (f"through the host (copied to pinned host memory, the host's gather-fold: whole buffers in its "
-                     f"shared-memory window or one MPI_Allgather_init, {fold}; copied back)")
+            small += f": gather-fold (one persistent MPI_Allgather_init of whole buffers, {fold})"
+        elif ring is not None and comm._via_host(device, 0):
+            small = (f"every collective up to {comm.small_bytes} B (all_gather: of out): through the host (copied to "
+                     "pinned host memory, the host's collective there: in its shared-memory window or by MPI; "
+                     f"all_reduce: gather-fold, {fold}; copied back)")
+            above = "above"
         else:
-            small = f"gather-fold (N-1 ring steps of whole buffers, {fold})"
-        algorithm = (f"all_reduce up to {comm.small_bytes} B: {small}; above, and every other collective: ring (host "
-                     f"buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests)")
+            small += f": gather-fold (N-1 ring steps of whole buffers, {fold})"
+        algorithm = (f"{small}; {above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of "
+                     "persistent requests)")
     out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES, RINGCOMM_SHM)")
     out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
         f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")

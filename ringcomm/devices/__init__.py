@@ -7,7 +7,7 @@ accumulation of half types ``widen(dst, a)``, ``reduce_acc(dst, a, b, op)`` (flo
 and ``reduce_acc_final(dst, a, b, op, div=1)`` (rounded once); and for :class:`Reused` buffers
 ``after(last)``, ``record(last)``, ``retire(buf, last)``. CudaDevice also has ``pinned(nbytes)``
 (pinned host memory, for a ``Reused(pinned=True)`` buffer), ``to_host`` and ``from_host`` (copies
-through it, for small all-reduces that go through the host: collectives._small_via_host).
+through it, for small GPU collectives that go through the host: collectives._through_host).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def check_every_op_and_dtype(names: list[str | None]) -> None:
     hostcomm = make_comm(small_bytes=0)
     for transport in names:
         ring = comm_with(transport, small_bytes=0)
-        small = comm_with(transport)  # all-reduces up to small_bytes take the gather-fold path
+        small = comm_with(transport)  # up to small_bytes: through the host (ipc-stream: all-reduces gather-fold)
         n, r = ring.size, ring.rank
         for dtype in DTYPES:
             for op in ops_for(dtype):
@@ -111,9 +111,6 @@ def check_every_op_and_dtype(names: list[str | None]) -> None:
                     assert ring.all_reduce(xd, op, out=out) is out
                     assert host(out).tobytes() == expect.tobytes(), f"out-of-place all_reduce {what}"
                     assert host(xd).tobytes() == x.tobytes(), f"all_reduce out= modified x {what}"
-                    if count <= 16 * n + 3:
-                        via_small = host(small.all_reduce(dev(x, offset), op))
-                        assert via_small.tobytes() == expect.tobytes(), f"gather-fold all_reduce {what}"
 
                     lo, hi = ring.shard_bounds(count)[r]
                     shard = ring.reduce_scatter(xd, op)
@@ -131,6 +128,27 @@ def check_every_op_and_dtype(names: list[str | None]) -> None:
                     in_place[lo:hi] = shard
                     ring.all_gather(in_place[lo:hi], out=in_place)
                     assert host(in_place).tobytes() == expect.tobytes(), f"in-place all_gather {what}"
+
+                    if count <= 16 * n + 3:  # every collective of small, within its small_bytes
+                        via_small = host(small.all_reduce(dev(x, offset), op))
+                        assert via_small.tobytes() == expect.tobytes(), f"small all_reduce {what}"
+                        shard = small.reduce_scatter(dev(x, offset), op, out=poisoned(hi - lo, dtype))
+                        assert host(shard).tobytes() == expect[lo:hi].tobytes(), f"small reduce_scatter {what}"
+                        gathered = small.all_gather(dev(expect[lo:hi], offset), out=poisoned(count, dtype))
+                        assert host(gathered).tobytes() == expect.tobytes(), f"small all_gather {what}"
+                        in_place = poisoned(count, dtype)
+                        in_place[lo:hi] = shard
+                        small.all_gather(in_place[lo:hi], out=in_place)
+                        assert host(in_place).tobytes() == expect.tobytes(), f"small in-place all_gather {what}"
+                        b = dev(x, offset)
+                        small.broadcast(b, root=n - 1)
+                        assert host(b).tobytes() == inputs[n - 1].tobytes(), f"small broadcast {what}"
+                        want = hostcomm.reduce(x.copy(), op, root=n - 1)
+                        got = small.reduce(dev(x, offset), op, root=n - 1)  # in place at the root
+                        if r == n - 1:
+                            assert host(got).tobytes() == want.tobytes(), f"small reduce {what}"
+                        else:
+                            assert got is None
 
             for root in sorted({0, n - 1}):
                 count = 40_003
@@ -247,7 +265,7 @@ def test_calls_alternating_between_two_streams_without_host_syncs():
             s = streams[i % 2]
             with s:  # the inputs are written on the call's stream
                 small = cupy.full(1000, r + 10 * i, cupy.float32)  # 4000 bytes: the gather-fold plan
-                ring = cupy.full(5003, r + 10 * i, cupy.float32)  # the ring, reduce_scatter's scratch
+                ring = cupy.full(20_003, r + 10 * i, cupy.float32)  # the ring (> small_bytes), reduce_scatter's scratch
             comm.all_reduce(small, stream=s)
             shard = comm.reduce_scatter(ring, stream=s)
             calls.append((i, small, shard))
@@ -409,18 +427,19 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_small_all_reduces_go_through_the_host_in_stream_order(caplog):
-    """Up to small_bytes, on transports that wait on the host (ipc, staged), a GPU all-reduce goes
-    through pinned host memory and the host's gather-fold (the DEBUG log says so); with ipc-stream
-    it stays on the GPU. Two calls on two streams back to back, neither waited for: the second
-    call's copy into the reused stage waits on the GPU for the first call's copy out of it (on the
-    emulated GPU that copy is still queued, lazily, when the second call starts), so both are right."""
+def test_small_collectives_go_through_the_host_in_stream_order(caplog):
+    """Up to small_bytes, on transports that wait on the host (ipc, staged), every GPU collective
+    goes through pinned host memory and the host's collective (the DEBUG log says so); with
+    ipc-stream they stay on the GPU. Calls alternating between two streams, none waited for: each
+    call's copy into the reused stage waits on the GPU for the last call's copy out of it (on the
+    emulated GPU that copy is still queued, lazily, when the next call starts), so all are right."""
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
     base = np.arange(1000, dtype=np.float32)
     for transport in ("ipc", "staged", "ipc-stream"):
         comm = comm_with(transport)
+        lo, hi = comm.shard_bounds(base.size)[r]
         a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="ringcomm"):
@@ -430,10 +449,27 @@ def test_small_all_reduces_go_through_the_host_in_stream_order(caplog):
             with b:
                 x2 = cupy.asarray(base) * (r + 1)
             comm.all_reduce(x2, stream=b)
+            shard = comm.reduce_scatter(x1, stream=a)  # (x1 all-reduced on a before)
+            with b:
+                y = cupy.asarray(base - r)
+            comm.broadcast(y, root=n - 1, stream=b)
+            with a:
+                gathered = cupy.empty(base.size, cupy.float32)
+            comm.all_gather(shard, out=gathered, stream=a)
+            with b:
+                z = cupy.asarray(base + 2 * r)
+            comm.reduce(z, root=0, stream=b)
         a.synchronize()
         b.synchronize()
-        assert (host(x1) == base * n + n * (n - 1) // 2).all(), f"{transport}: the first call's result"
-        assert (host(x2) == base * (n * (n + 1) // 2)).all(), f"{transport}: the second call's result"
-        via = [rec for rec in caplog.records if "through the host" in rec.getMessage()]
-        assert len(via) == (0 if transport == "ipc-stream" else 2), (transport, [r.getMessage() for r in via])
+        summed = base * n + n * (n - 1) // 2
+        assert (host(x1) == summed).all(), f"{transport}: the first all_reduce"
+        assert (host(x2) == base * (n * (n + 1) // 2)).all(), f"{transport}: the second all_reduce"
+        assert (host(shard) == (summed * n)[lo:hi]).all(), f"{transport}: reduce_scatter"
+        assert (host(y) == base - (n - 1)).all(), f"{transport}: broadcast"
+        assert (host(gathered) == summed * n).all(), f"{transport}: all_gather"
+        assert (host(z) == (base * n + n * (n - 1) if r == 0 else base + 2 * r)).all(), f"{transport}: reduce"
+        via = [rec.getMessage().split(":")[0] for rec in caplog.records if "through the host" in rec.getMessage()]
+        want = [] if transport == "ipc-stream" else ["all_reduce", "all_reduce", "reduce_scatter", "broadcast",
+                                                    "all_gather", "reduce"]
+        assert via == want, (transport, via)
         comm.close()
