@@ -330,6 +330,9 @@ def test_settings_validation():
         Settings(min_time=-0.1)
     assert "median" in Settings(stat="median").describe()
     assert "last at least 0.02 s" in Settings(min_time=0.02).describe() and "last at" not in Settings().describe()
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        Settings(rounds=0)
+    assert "fastest of 3 rounds" in Settings(rounds=3).describe() and "rounds" not in Settings().describe()
 
 
 def test_progress_bar_only_on_a_terminal():

@@ -62,9 +62,39 @@ def _check_paths_the_sweep_does_not_take() -> None:
             iters = [r.iters for r in row.results.values()]
             assert min(iters) > 2 and [r.wrong for r in row.results.values()] == [0, 0], row
             assert MPI.COMM_WORLD.allgather(iters) == [iters] * comm.size
+        _check_rounds(runner)
     finally:
         runner.close()
         mpi.close()
+
+
+def _check_rounds(runner: Runner) -> None:
+    """--rounds 3: every implementation and mode measured once per round, interleaved, the check
+    only in the last round, and each reports its fastest round (here: a round made slow on purpose
+    is never the one reported, and the fastest of the others is)."""
+    calls, real = [], runner._measure
+    seen: dict[tuple[str, bool], list[float]] = {}
+
+    def measure(name, case, arrays, inplace, prep, tdata, cdata, expected):
+        calls.append((name, inplace, cdata is not None))
+        m = real(name, case, arrays, inplace, prep, tdata, cdata, expected)
+        m.times = m.times + 1.0 * (len(calls) % 3 == 1)  # (one round in three: a second slower)
+        seen.setdefault((name, inplace), []).append(float(m.times[0]))
+        return m
+
+    runner._measure = measure
+    runner.settings = Settings(iters=2, warmup=1, rounds=3)
+    try:
+        rows = runner.run(runner.case("all_reduce", 1000, np.float32, ReduceOp.SUM, 0))
+    finally:
+        del runner._measure
+    impls = [row.impl for row in rows]
+    assert calls == [(i, p, r == 2) for r in range(3) for i in impls for p in (False, True)], calls
+    for row in rows:
+        for inplace, res in zip((False, True), row.results.values()):
+            assert res.wrong == 0, row
+            mine = seen[row.impl, inplace]  # this rank's rounds; the row's time: the slowest rank's fastest round
+            assert res.time_us < 1e6 and res.time_us >= min(mine) * 1e6 * 0.999999, (row, mine)
 
 
 def _check_env_and_mpi_setup() -> list[str]:

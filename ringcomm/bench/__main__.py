@@ -70,6 +70,9 @@ def build_parser(quiet: bool = False) -> RankParser:
     a("--min-time", type=float, default=DEFAULT_MIN_TIME,
       help="seconds a timed loop lasts at least (within --time-budget): fast sizes run more than -n iterations, "
       f"so that a stall of the host weighs less; needs -w >= 1; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})")
+    a("--rounds", type=int, default=1,
+      help="measure every implementation and mode this many times, interleaved, and report each one's fastest "
+      "round (a loop caught in a slow period of a shared host then decides no ratio); default 1")
     a("--timeout", type=float, default=None,
       help="abort the job when a measurement makes no progress for this many seconds "
       "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)")
@@ -149,7 +152,7 @@ class Plan:
         try:
             settings = Settings(iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), stat=args.stat,
                                 time_budget=args.time_budget if args.time_budget is not None else 1.0,
-                                min_time=args.min_time, seed=args.seed, corrupt=args.corrupt_for_tests)
+                                min_time=args.min_time, rounds=args.rounds, seed=args.seed, corrupt=args.corrupt_for_tests)
         except ValueError as e:
             raise UsageError(str(e)) from None
         step = f"{step_bytes}(bytes)" if step_bytes is not None else f"{factor}(factor)"

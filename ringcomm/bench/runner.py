@@ -16,6 +16,12 @@ Per implementation and mode (out-of-place, then in-place):
 4. check: fresh input (another seed), poisoned output, one call, compare with the independent
    expected result (:mod:`ringcomm.bench.data`), wrong elements summed over ranks.
 
+With R > 1 ``rounds``, steps 1-3 run R times for every implementation and mode, interleaved (all of
+them once, then again), and each reports its fastest round (its iterations and warm-up those of that
+round); the check (4) runs once, in the last round. On a host whose speed changes from one second
+to the next (a virtual machine's stolen time), a loop that falls into a slow period then decides
+neither its own time nor a ratio.
+
 Every wait on other ranks is a ringcomm collective (with its deadline) or an implementation under
 test; the :class:`Watchdog` aborts the MPI job when a phase makes no progress for ``timeout`` seconds
 (the MPI and NCCL baselines have no deadline of their own).
@@ -53,6 +59,7 @@ class Settings:
     stat: str = "avg"  # "avg" or "median"
     time_budget: float = 1.0  # seconds per (implementation, mode) timed loop; 0: no limit
     min_time: float = 0.0  # seconds a timed loop lasts at least (more iterations for fast calls); 0: n exactly
+    rounds: int = 1  # measurements of every (implementation, mode), interleaved; the fastest is reported
     seed: int = 0
     corrupt: int = 0  # tests only: plant this many wrong elements per rank in ringcomm's results
 
@@ -67,6 +74,8 @@ class Settings:
             raise ValueError(f"the time budget must be >= 0 seconds; got {self.time_budget}")
         if not self.min_time >= 0:
             raise ValueError(f"the shortest timed loop must be >= 0 seconds; got {self.min_time}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1; got {self.rounds}")
         if self.corrupt < 0:
             raise ValueError(f"corrupt must be >= 0; got {self.corrupt}")
 
@@ -81,7 +90,9 @@ class Settings:
                   f"iterations (at least 1/{MIN_ITERS}; listed under the table)" if self.time_budget > 0 else "")
         shortest = (f"; timed loops last at least {self.min_time:g} s: fast sizes run more iterations"
                     if self.min_time > 0 else "")
-        return what + budget + shortest
+        rounds = (f"; the fastest of {self.rounds} rounds, every implementation and mode measured once per round"
+                  if self.rounds > 1 else "")
+        return what + budget + shortest + rounds
 
 
 @dataclasses.dataclass
@@ -230,7 +241,7 @@ class _Local:
     """One measurement on this rank, before the cross-rank reduction."""
 
     times: np.ndarray  # seconds: one mean (avg) or one per iteration (median)
-    wrong: int
+    wrong: int  # -1: not checked
     iters: int
     warmup: int
 
@@ -295,21 +306,25 @@ class Runner:
             cdata = data.input_data(case, cseed, self.host.get("check", hi - lo, case.dtype))
             out_n = case.shard[1] - case.shard[0] if case.collective == "reduce_scatter" else case.count
             expected = data.expected_result(case, cseed, self.host.get("expected", out_n, data.expected_dtype(case)))
-        local: list[list[_Local | str]] = []
-        for impl in self.impls:
-            per_mode: list[_Local | str] = []
-            for inplace in (False, True):
-                label = f"{impl.name} {case.collective} {sizes.format_size(case.nbytes)} {MODES[inplace]}"
-                if self.watchdog is not None:
-                    self.watchdog.beat(label)
-                prep = impl.prepare(case, arrays, inplace)
-                if isinstance(prep, str):
-                    per_mode.append(prep)
-                    continue
-                # in-place prod/sum timing loops may overflow to inf: expected, and not worth a warning
-                with np.errstate(over="ignore", invalid="ignore"):
-                    per_mode.append(self._measure(impl.name, case, arrays, inplace, prep, tdata, cdata, expected))
-            local.append(per_mode)
+        # per implementation and mode: its rounds' measurements, or why it did not run
+        local: list[list[list[_Local] | str]] = [[[], []] for _ in self.impls]
+        for r in range(st.rounds):
+            last = r == st.rounds - 1
+            for impl, per_mode in zip(self.impls, local):
+                for inplace in (False, True):
+                    if isinstance(per_mode[inplace], str):
+                        continue
+                    label = f"{impl.name} {case.collective} {sizes.format_size(case.nbytes)} {MODES[inplace]}"
+                    if self.watchdog is not None:
+                        self.watchdog.beat(label)
+                    prep = impl.prepare(case, arrays, inplace)
+                    if isinstance(prep, str):
+                        per_mode[inplace] = prep
+                        continue
+                    # in-place prod/sum timing loops may overflow to inf: expected, and not worth a warning
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        per_mode[inplace].append(self._measure(impl.name, case, arrays, inplace, prep, tdata,
+                                                               cdata if last else None, expected))
         return self._reduce(case, local)
 
     # ------------------------------------------------------------------------------ measurement
@@ -356,7 +371,7 @@ class Runner:
                 n = int((min(st.min_time, budget) if budget > 0 else st.min_time) / tw) + 1
         times = np.array([self._block(prep, n) / n]) if st.stat == "avg" else self._each(prep, n)
         wrong = -1
-        if st.check:
+        if cdata is not None:
             poison = arrays.poisoned(case, inplace)
             if poison is not None:
                 poison.fill(data.poison_value(case.dtype))
@@ -371,23 +386,29 @@ class Runner:
             wrong = data.count_wrong(_fetch(prep.result), expected, case.dtype, case.op)
         return _Local(times, wrong, n, w)
 
-    def _reduce(self, case: data.Case, local: list[list[_Local | str]]) -> list[Row]:
-        """Slowest-rank times and summed wrong counts for all measurements of the row at once."""
-        ran = [m for per in local for m in per if isinstance(m, _Local)]
-        times = self.comm.all_reduce(np.concatenate([m.times for m in ran]) if ran else np.zeros(0), "max")
-        wrong = self.comm.all_reduce(np.array([m.wrong for m in ran], np.int64), "sum")
+    def _reduce(self, case: data.Case, local: list[list[list[_Local] | str]]) -> list[Row]:
+        """Slowest-rank times (the fastest round's) and summed wrong counts (the last round's) for all
+        measurements of the row at once."""
+        ran = [rounds for per in local for rounds in per if not isinstance(rounds, str)]
+        every = [m for rounds in ran for m in rounds]
+        times = self.comm.all_reduce(np.concatenate([m.times for m in every]) if every else np.zeros(0), "max")
+        wrong = self.comm.all_reduce(np.array([rounds[-1].wrong for rounds in ran], np.int64), "sum")
         rows, k, offset = [], 0, 0
         typ = data.type_name(case.dtype)
         redop = str(case.op) if case.op is not None else "none"
         for impl, per in zip(self.impls, local):
             results = {}
-            for mode, m in zip(MODES, per):
-                if isinstance(m, str):
-                    results[mode] = Result(note=m)
+            for mode, rounds in zip(MODES, per):
+                if isinstance(rounds, str):
+                    results[mode] = Result(note=rounds)
                     continue
-                t = times[offset : offset + m.times.size]
-                offset += m.times.size
-                sec = float(t[0]) if self.settings.stat == "avg" else float(np.median(t))
+                secs = []
+                for m in rounds:
+                    t = times[offset : offset + m.times.size]
+                    offset += m.times.size
+                    secs.append(float(t[0]) if self.settings.stat == "avg" else float(np.median(t)))
+                sec = min(secs)
+                m = rounds[secs.index(sec)]
                 results[mode] = Result(
                     time_us=sec * 1e6, algbw=sizes.algbw(case.nbytes, sec),
                     busbw=sizes.busbw(case.collective, case.nbytes, sec, case.nranks),
