@@ -1,4 +1,4 @@
-"""The GPU tests (tests/gpu) on the CPU, through the CuPy stand-in in tests/emulated (no GPU needed).
+"""The GPU tests (tests/gpu, tests/test_zero_gpu.py) on the CPU, through the CuPy stand-in in tests/emulated (no GPU needed).
 
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
@@ -18,7 +18,7 @@ from conftest import run_emulated
 @pytest.mark.parametrize("variant", ["pool-exported", "scratch", "two-gpus-per-node", "ipc-stream"])
 def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     env = dict(emulated_gpu_env)
-    tests = ["tests/gpu"]
+    tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
         tests = ["tests/gpu/test_cuda_collectives.py", "-k", "every_op_and_dtype or back_to_back"]

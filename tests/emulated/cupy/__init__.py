@@ -1036,6 +1036,9 @@ class ndarray:
     def sum(self):
         return self.get().sum()
 
+    def __float__(self) -> float:  # (CuPy: a size-1 array, read back)
+        return float(self.get())
+
     def all(self):
         return self.get().all()
 
@@ -1170,6 +1173,27 @@ def full(shape, value, dtype=None) -> ndarray:
 
 def arange(*args, dtype=None) -> ndarray:
     return asarray(np.arange(*args, dtype=dtype))
+
+
+def copyto(dst: ndarray, src, casting: str = "same_kind", where=None) -> None:
+    """CuPy's copyto: ``src`` (an array or a scalar) into ``dst`` under ``casting``, queued on the
+    current stream; CuPy's refusal of a cast the rule forbids (TypeError, before anything is queued)."""
+    from_dtype = src.dtype if isinstance(src, ndarray) else np.asarray(src).dtype
+    if isinstance(src, ndarray) and not np.can_cast(from_dtype, dst.dtype, casting):
+        raise TypeError(f"Cannot cast {from_dtype} to {dst.dtype} in {casting} casting mode")
+    if where is not None:
+        raise NotImplementedError("emulated cupy: copyto(where=...)")
+    value = src._np if isinstance(src, ndarray) else (lambda: src)
+    get_current_stream()._enqueue(lambda: np.copyto(dst._np(), value(), casting="unsafe"))
+
+
+def multiply(x1: ndarray, x2, out: ndarray | None = None) -> ndarray:
+    """CuPy's ufunc on device arrays (x2 an array or a scalar), queued on the current stream."""
+    if out is None:
+        out = ndarray(x1.shape, np.result_type(x1.dtype, x2.dtype if isinstance(x2, ndarray) else np.asarray(x2)))
+    other = x2._np if isinstance(x2, ndarray) else (lambda: x2)
+    get_current_stream()._enqueue(lambda: np.multiply(x1._np(), other(), out=out._np()))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ kernels
