@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             x = cp.asarray(base + r)
             out = cp.empty_like(x)
             ran = comm.transport_name(x)
-            small = n > 1 and x.nbytes <= comm.small_bytes  # (collectives.all_reduce's rule)
+            small = n > 1 and x.nbytes <= comm._small("cuda")  # (collectives.all_reduce's rule)
             algorithm = ("via host" if comm._via_host("cuda", 0) else "gather-fold") if small else "ring"
             steps = {"via host": 1, "gather-fold": n - 1}.get(algorithm) or len(schedule.all_reduce(n, comm.position))
 

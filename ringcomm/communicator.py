@@ -94,7 +94,8 @@ class Communicator:
     chunk is cut into (env ``RINGCOMM_SLICE_BYTES``). ``small_bytes``: all-reduces of at most this
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
     (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off); GPU collectives of at most this many bytes (an
-    all-gather's out) go through the host, on every GPU transport but ipc-stream. ``shared_memory``: when MPI puts every rank on
+    all-gather's out; the smallest of any rank's, so that all route alike) go through the host, on rings
+    with no ipc-stream edge. ``shared_memory``: when MPI puts every rank on
     one node, host collectives up to a few MiB meet in an MPI shared-memory window
     instead of MPI messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
     it off for all). Creating a Communicator is collective.
@@ -147,6 +148,9 @@ class Communicator:
         #: communicator the freed one's context, and an abort sent to a rank that had closed would
         #: otherwise abort the next one
         self._id = int(table[0, 3])
+        #: small_bytes for GPU arrays: the smallest of every rank's, so that all route a call alike (GPU
+        #: collectives have no window to meet in and mismatch there); 0 on any rank: never, not even empty
+        self._gpu_small = int(table[:, 1].min()) or -1
         if labels is None:
             labels = tuple(f"node{int(r)}" for r in table[:, 0])
             if int(table[:, 0].max()) == 0 and self.size > 1:  # every rank on node 0: one node, as MPI sees it
@@ -352,13 +356,19 @@ class Communicator:
             link = self._transports[kind] = self._guarded(lambda: transports.select(self, kind))
         return link
 
+    def _small(self, kind: str) -> int:
+        """The small-call limit for ``kind`` arrays: this rank's small_bytes on the host (ranks whose
+        limits differ meet in the window, or mismatch), the ranks' agreed one on GPUs."""
+        return self.small_bytes if kind == "host" else self._gpu_small
+
     def _via_host(self, kind: str, nbytes: int) -> bool:
         """Whether a collective of ``nbytes`` (the whole buffer: x, or all_gather's out) of ``kind``
-        arrays goes through the host (collectives._through_host): GPU arrays up to small_bytes
-        whose ring waits on the host anyway, every edge but ipc-stream (whose calls only queue
-        their steps on the GPU and return), on 2 or more ranks."""
-        return kind != "host" and 1 < self.size and nbytes <= self.small_bytes \
-            and "ipc-stream" not in self._transport(kind).current()
+        arrays goes through the host (collectives._through_host): GPU arrays up to the agreed
+        small_bytes whose ring waits on the host anyway, no edge ipc-stream (whose calls only queue
+        their steps on the GPU and return; as chosen at set-up, the same on every rank, where
+        current() shows this rank's own fallbacks), on 2 or more ranks."""
+        return kind != "host" and 1 < self.size and nbytes <= self._gpu_small \
+            and "ipc-stream" not in self._transport(kind).edges
 
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)

@@ -194,7 +194,7 @@ def pytest_runtest_makereport(item, call):
     session, is never seen: print it now, then abort every rank, so the test fails with the reason."""
     report = (yield).get_result()
     world = MPI.COMM_WORLD
-    if report.failed and world.size > 1:
+    if report.failed and world.size > 1 and item.get_closest_marker("parallel") is not None:
         sys.stderr.write(f"\n[ringcomm tests] rank {world.rank} of {world.size}: {item.nodeid} failed ({report.when}); aborting "
                          f"every rank (the others would wait for it):\n{report.longreprtext}\n")
         sys.stderr.flush()

@@ -375,11 +375,12 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce and reduce_scatter of 3+ ranks: direct)")
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
-        small, above = f"all_reduce up to {comm.small_bytes} B", "above, and every other collective"
+        limit = max(comm._small(device), 0)
+        small, above = f"all_reduce up to {limit} B", "above, and every other collective"
         if device == "host":
             small += f": gather-fold (one persistent MPI_Allgather_init of whole buffers, {fold})"
         elif ring is not None and comm._via_host(device, 0):
-            small = (f"every collective up to {comm.small_bytes} B (all_gather: of out): through the host (copied to "
+            small = (f"every collective up to {limit} B (all_gather: of out): through the host (copied to "
                      "pinned host memory, the host's collective there: in its shared-memory window or by MPI; "
                      f"all_reduce: gather-fold, {fold}; copied back)")
             above = "above"

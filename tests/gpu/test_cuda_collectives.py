@@ -473,3 +473,25 @@ def test_small_collectives_go_through_the_host_in_stream_order(caplog):
                                                     "all_gather", "reduce"]
         assert via == want, (transport, via)
         comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ranks_whose_small_bytes_differ_route_gpu_calls_alike(caplog):
+    """GPU collectives have no shared-memory window in which ranks that route a call differently
+    would meet: every rank routes on the smallest small_bytes of any rank (rank 0's here), so a
+    buffer within one rank's limit but above another's runs the ring on all, not the host route
+    on some (which would leave the others waiting for the ring's messages until the deadline)."""
+    _use_local_gpu()
+    r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    for transport in ("ipc", "staged"):
+        comm = comm_with(transport, small_bytes=4096 if r == 0 else 65536, timeout=5)
+        for count, via in ((500, True), (5000, False)):  # 2 KB: within every limit; 20 KB: above rank 0's
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+                x = cupy.full(count, r + 1, cupy.float32)
+                comm.all_reduce(x)
+                shard = comm.reduce_scatter(x)
+            assert (host(x) == n * (n + 1) // 2).all() and (host(shard) == n * n * (n + 1) // 2).all(), (transport, count)
+            routed = sum("through the host" in rec.getMessage() for rec in caplog.records)
+            assert routed == (2 if via else 0), (transport, count, routed)
+        comm.close()

@@ -1190,7 +1190,7 @@ def copyto(dst: ndarray, src, casting: str = "same_kind", where=None) -> None:
 def multiply(x1: ndarray, x2, out: ndarray | None = None) -> ndarray:
     """CuPy's ufunc on device arrays (x2 an array or a scalar), queued on the current stream."""
     if out is None:
-        out = ndarray(x1.shape, np.result_type(x1.dtype, x2.dtype if isinstance(x2, ndarray) else np.asarray(x2)))
+        out = ndarray(x1.shape, np.result_type(x1.dtype, x2.dtype if isinstance(x2, ndarray) else x2))
     other = x2._np if isinstance(x2, ndarray) else (lambda: x2)
     get_current_stream()._enqueue(lambda: np.multiply(x1._np(), other(), out=out._np()))
     return out
