@@ -230,6 +230,25 @@ def test_inplace_replica_runs_and_checks_its_results():
     assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
 
 
+def test_cross_core_probe_runs_and_checks_what_it_reads():
+    """benchmarks/cross_core.py (the README's cross-core line costs): both ranks' four timings, the
+    reads checked (a wrong byte exits non-zero), and a refusal of any other number of ranks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cross_core.py"
+    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "65536"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"], run.stdout
+    assert all(len(row) == 5 and all(float(v) > 0 for v in row[1:]) for row in rows), run.stdout
+    bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_after_an_agreement_mismatch_small_all_reduces_still_match():
     """check=True: the ranks of a mismatched call each made the small all-reduce of their own count;

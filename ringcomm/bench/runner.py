@@ -19,8 +19,8 @@ Per implementation and mode (out-of-place, then in-place):
 With R > 1 ``rounds``, steps 1-3 run R times for every implementation and mode, interleaved (all of
 them once, then again), and each reports its fastest round (its iterations and warm-up those of that
 round); the check (4) runs once, in the last round. On a host whose speed changes from one second
-to the next (a virtual machine's stolen time), a loop that falls into a slow period then decides
-neither its own time nor a ratio.
+to the next (a virtual machine whose host moves its CPUs: benchmarks/cross_core.py), a loop that
+falls into a slow period then decides neither its own time nor a ratio.
 
 Every wait on other ranks is a ringcomm collective (with its deadline) or an implementation under
 test; the :class:`Watchdog` aborts the MPI job when a phase makes no progress for ``timeout`` seconds

@@ -1,0 +1,88 @@
+"""What moving cache lines between two ranks' cores costs on this host, now (mpi4py and numpy only).
+
+Run under MPI with 2 ranks, before and after a benchmark whose ratios you want to read::
+
+    mpiexec -n 2 python benchmarks/cross_core.py            # 512 KiB
+    mpiexec -n 2 python benchmarks/cross_core.py 1048576
+
+Each rank owns half of an MPI shared-memory window. In every round both ranks write their half
+(``write``: lines the other rank read in the previous round, so each store first takes the line
+back from the other core's cache, as a rank rewriting its inbox or its in-place result does),
+meet at a barrier, then copy the other rank's half out (``read``: lines the other core has just
+written) and meet again. It prints the mean µs of each per rank (300 rounds after 20), then the
+same two copies on a private array (``alone``: no other core involved). Each round's read is
+checked at its ends, the last round's in every byte.
+
+Why: ringcomm's shared-memory all-reduce (and MPICH's single-copy one, in place) pays these
+costs in every call, and on a virtual machine they change with where the host places the two
+virtual CPUs: on 2026-12-05 the same VM measured 33-38 µs for ``write`` and 15-16 for ``read``
+at 512 KiB in some runs and 222-245 and 49-60 in others (``alone`` 12 µs in both), and the
+bench's in-place ratios at 1-4 MiB moved with them (README, "Performance on the host").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+
+def main() -> int:
+    w = MPI.COMM_WORLD
+    if w.size != 2:
+        print("cross_core.py: run with 2 ranks (mpiexec -n 2)", file=sys.stderr)
+        return 2
+    node = w.Split_type(MPI.COMM_TYPE_SHARED)
+    if node.size != 2:
+        print("cross_core.py: the 2 ranks must share a node", file=sys.stderr)
+        return 2
+    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 512 << 10
+    r = node.rank
+    win = MPI.Win.Allocate_shared(nbytes, 1, comm=node)
+    halves = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in (0, 1)]
+    mine, theirs = halves[r], halves[1 - r]
+    #: what rank q writes in rounds of parity k: 2q + k + 1 in every byte
+    sources = [np.full(nbytes, 2 * r + k + 1, np.uint8) for k in (0, 1)]
+    out, private = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    pc = time.perf_counter
+    shared, alone = np.zeros(2), np.zeros(2)
+    for it in range(320):
+        src = sources[it & 1]
+        t0 = pc()
+        np.copyto(mine, src)
+        t1 = pc()
+        node.Barrier()
+        t2 = pc()
+        np.copyto(out, theirs)
+        t3 = pc()
+        node.Barrier()
+        if it >= 20:
+            shared += (t1 - t0, t3 - t2)
+        want = 2 * (1 - r) + (it & 1) + 1  # (a full check every round would evict the lines it measures)
+        if out[0] != want or out[-1] != want or (it == 319 and not (out == want).all()):
+            raise SystemExit(f"rank {r}: round {it} read {out[out != want][0]} where the other rank wrote {want}")
+    for it in range(320):  # the same copies with no other core involved
+        src = sources[it & 1]
+        t0 = pc()
+        np.copyto(private, src)
+        t1 = pc()
+        np.copyto(out, private)
+        t2 = pc()
+        if it >= 20:
+            alone += (t1 - t0, t2 - t1)
+    us = np.concatenate([shared, alone]) / 300 * 1e6
+    every = node.gather(us, root=0)
+    if r == 0:
+        print(f"# {nbytes} B, 2 ranks on one node: mean us per copy (300 rounds), results checked")
+        print(f"{'rank':>4} {'write':>8} {'read':>8} {'alone':>13}")
+        for q, (wr, rd, aw, ar) in enumerate(every):
+            print(f"{q:>4} {wr:8.1f} {rd:8.1f} {aw:6.1f} {ar:6.1f}")
+    win.Free()
+    node.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
