@@ -15,8 +15,8 @@ checked at its ends, the last round's in every byte.
 
 Why: ringcomm's shared-memory all-reduce (and MPICH's single-copy one, in place) pays these
 costs in every call, and on a virtual machine they change with where the host places the two
-virtual CPUs: on 2026-12-05 the same VM measured 33-38 µs for ``write`` and 15-16 for ``read``
-at 512 KiB in some runs and 222-245 and 49-60 in others (``alone`` 12 µs in both), and the
+virtual CPUs: on 2026-12-05 the same VM measured 32-40 µs for ``write`` and 15-16 for ``read``
+at 512 KiB in some runs and 215-265 and 49-60 in others (``alone`` 12 µs in both), and the
 bench's in-place ratios at 1-4 MiB moved with them (README, "Performance on the host").
 """
 
