@@ -28,17 +28,23 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+#: rounds per loop, of which the first WARMUP are not timed
+ROUNDS, WARMUP = 320, 20
+
 
 def main() -> int:
     w = MPI.COMM_WORLD
     if w.size != 2:
         print("cross_core.py: run with 2 ranks (mpiexec -n 2)", file=sys.stderr)
         return 2
+    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 512 << 10
+    if nbytes < 1:
+        print(f"cross_core.py: need a size of at least 1 byte; got {nbytes}", file=sys.stderr)
+        return 2
     node = w.Split_type(MPI.COMM_TYPE_SHARED)
     if node.size != 2:
         print("cross_core.py: the 2 ranks must share a node", file=sys.stderr)
         return 2
-    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 512 << 10
     r = node.rank
     win = MPI.Win.Allocate_shared(nbytes, 1, comm=node)
     halves = [np.frombuffer(win.Shared_query(q)[0], np.uint8, nbytes) for q in (0, 1)]
@@ -48,7 +54,7 @@ def main() -> int:
     out, private = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     pc = time.perf_counter
     shared, alone = np.zeros(2), np.zeros(2)
-    for it in range(320):
+    for it in range(ROUNDS):
         src = sources[it & 1]
         t0 = pc()
         np.copyto(mine, src)
@@ -58,24 +64,24 @@ def main() -> int:
         np.copyto(out, theirs)
         t3 = pc()
         node.Barrier()
-        if it >= 20:
+        if it >= WARMUP:
             shared += (t1 - t0, t3 - t2)
         want = 2 * (1 - r) + (it & 1) + 1  # (a full check every round would evict the lines it measures)
-        if out[0] != want or out[-1] != want or (it == 319 and not (out == want).all()):
+        if out[0] != want or out[-1] != want or (it == ROUNDS - 1 and not (out == want).all()):
             raise SystemExit(f"rank {r}: round {it} read {out[out != want][0]} where the other rank wrote {want}")
-    for it in range(320):  # the same copies with no other core involved
+    for it in range(ROUNDS):  # the same copies with no other core involved
         src = sources[it & 1]
         t0 = pc()
         np.copyto(private, src)
         t1 = pc()
         np.copyto(out, private)
         t2 = pc()
-        if it >= 20:
+        if it >= WARMUP:
             alone += (t1 - t0, t2 - t1)
-    us = np.concatenate([shared, alone]) / 300 * 1e6
+    us = np.concatenate([shared, alone]) / (ROUNDS - WARMUP) * 1e6
     every = node.gather(us, root=0)
     if r == 0:
-        print(f"# {nbytes} B, 2 ranks on one node: mean us per copy (300 rounds), results checked")
+        print(f"# {nbytes} B, 2 ranks on one node: mean us per copy ({ROUNDS - WARMUP} rounds), results checked")
         print(f"{'rank':>4} {'write':>8} {'read':>8} {'alone':>13}")
         for q, (wr, rd, aw, ar) in enumerate(every):
             print(f"{q:>4} {wr:8.1f} {rd:8.1f} {aw:6.1f} {ar:6.1f}")

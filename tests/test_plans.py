@@ -213,40 +213,37 @@ def test_a_warm_plan_still_names_the_op_in_its_messages():
     assert "MismatchError" in seen, seen
 
 
-def test_inplace_replica_runs_and_checks_its_results():
-    """benchmarks/inplace_replica.py (the README's in-place table): every variant's result is checked."""
+def _two_rank_script(name: str, nbytes: str) -> str:
+    """Run benchmarks/``name`` (an mpi4py-only script for exactly 2 ranks) on ``nbytes`` under
+    mpiexec -n 2, assert that it succeeded and that it refuses 3 ranks; return its stdout."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "inplace_replica.py"
-    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "4096"], capture_output=True, text=True,
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), nbytes], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = {line.split()[0] for line in run.stdout.splitlines() if line and not line.startswith("#")}
-    assert {"direct", "mpiop", "tmp", "sendtmp", "MPI"} <= rows, run.stdout
     bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
+    return run.stdout
+
+
+def test_inplace_replica_runs_and_checks_its_results():
+    """benchmarks/inplace_replica.py (the README's in-place table): every variant's result is checked."""
+    out = _two_rank_script("inplace_replica.py", "4096")
+    rows = {line.split()[0] for line in out.splitlines() if line and not line.startswith("#")}
+    assert {"direct", "mpiop", "tmp", "sendtmp", "MPI"} <= rows, out
 
 
 def test_cross_core_probe_runs_and_checks_what_it_reads():
     """benchmarks/cross_core.py (the README's cross-core line costs): both ranks' four timings, the
     reads checked (a wrong byte exits non-zero), and a refusal of any other number of ranks."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cross_core.py"
-    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), "65536"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [row[0] for row in rows] == ["0", "1"], run.stdout
-    assert all(len(row) == 5 and all(float(v) > 0 for v in row[1:]) for row in rows), run.stdout
-    bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
+    out = _two_rank_script("cross_core.py", "65536")
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"], out
+    assert all(len(row) == 5 and all(float(v) > 0 for v in row[1:]) for row in rows), out
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
