@@ -573,7 +573,7 @@ class Communicator:
             if place * ctx.dtype.itemsize > self._window_limit(ctx.collective):
                 return None
             if ctx.collective == "all_reduce":
-                made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count, bounds))
+                made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count))
             else:
                 places = SharedPlaces(window, ctx.dtype, count, place)
                 made = SharedPlacesPlan(ctx, bounds, places, root, sent_bytes(steps, bounds, ctx.dtype.itemsize))

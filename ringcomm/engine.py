@@ -411,12 +411,20 @@ class SharedDirectPlan:
 
     Each rank copies every chunk of its buffer but its own into its inbox and publishes; it folds
     its own chunk p, the other inboxes' copies of it and its own data last, in
-    :func:`ringcomm.schedule.fold_order` (the ring's order), into its outbox and publishes again;
-    then it copies every chunk into ``work`` from the outboxes. Each rank reduces 1/N of the
-    buffer, as in the ring, with two waits instead of 2(N-1) dependent steps, no message, and
-    nothing of the call's arrays visible to the other ranks (in place costs as much as out of
-    place). Bound to the window, not to any array, so it
-    is looked up by collective, dtype and bounds alone; it owns no memory (``nbytes`` 0).
+    :func:`ringcomm.schedule.fold_order` (the ring's order), into ``work``, copies the result into
+    chunk p of every other inbox (over the copy it read there) and publishes again; then it copies
+    the other chunks into ``work`` from its own inbox. Each rank reduces 1/N of the buffer, as in
+    the ring, with two waits instead of 2(N-1) dependent steps, no message, and nothing of the
+    call's arrays visible to the other ranks (in place costs as much as out of place). Bound to the
+    window, not to any array, so it is looked up by collective, dtype and bounds alone; it owns no
+    memory (``nbytes`` 0).
+
+    Why the results go back into the inboxes (README, "Where this host's swings come from"): a rank
+    then rewrites, at its next call, only lines that another core wrote with a copy and that it read
+    itself since; rewriting lines that another core has only read (an outbox the others copied out,
+    an inbox the others folded from) costs up to 15x more on a host whose two cores sit far apart
+    (the bench, N = 2, 1 MiB on 2 cores far apart: 82-90 us per call against 387-500 with an outbox
+    each rank folded into and the others copied out of).
     """
 
     nbytes, by_address = 0, False
@@ -428,26 +436,29 @@ class SharedDirectPlan:
         self.shared, self.n = shared, n
         lo, hi = bounds[p]
         self._mine = slice(lo, hi)
-        self._out = shared.outboxes[comm.rank]
-        #: the other ranks' copies of chunk p in fold order (this rank's own, last, is read from src)
+        #: the other ranks' copies of chunk p in fold order (this rank's own, last, is read from src);
+        #: the first also holds the partial fold of the others' copies when there are more than one
         self._others = [shared.inboxes[ring[q]][lo:hi] for q in fold_order(n, p)[:-1]]
-        #: what this rank publishes: every chunk but its own, into its inbox
+        #: what this rank publishes: every chunk but its own, into its inbox; and at the end reads back
         self._ins = [(slice(a, b), shared.mine[a:b]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
-        self._copies = [(slice(a, b), shared.outboxes[ring[q]]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
         self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, True)
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
-        device, op, shared, mine = ctx.device, ctx.op, self.shared, self._mine
+        device, op, shared, mine, others = ctx.device, ctx.op, self.shared, self._mine, self._others
         for at, box in self._ins:
             device.copy(box, src[at])
         shared.inputs(ctx)
-        if self._out.size:
+        if others and others[0].size:
+            first, size = others[0], others[0].size
+            if len(others) > 1:  # the others' copies folded into the first (work may be src: read last)
+                device.fold(first, [(0, size, others)], op)
             div = self.n if op is AVG else 1
-            device.fold(self._out, [(0, self._out.size, self._others + [src[mine]])], op, div)
+            device.fold(work[mine], [(0, size, [first, src[mine]])], op, div)
+            for box in others:
+                device.copy(box, work[mine])
         shared.outputs(ctx)
-        device.copy(work[mine], self._out)
-        for at, chunk in self._copies:
-            device.copy(work[at], chunk)
+        for at, box in self._ins:
+            device.copy(work[at], box)
         return self.sent
 
     def free(self) -> None:

@@ -31,7 +31,7 @@ def _counts(n: int, small: int) -> tuple[int, ...]:
 
 @pytest.mark.parallel(nprocs=[2, 3, 4, 5])
 def test_shared_all_reduces_are_bitwise_the_ring_and_right():
-    """Small (slots) and larger (inbox/outbox) all-reduces: the ring's bits for every op and dtype,
+    """Small (slots) and larger (inboxes) all-reduces: the ring's bits for every op and dtype,
     in and out of place, the same on every rank, and within float64's reference."""
     mpi = MPI.COMM_WORLD
     shared, ring = make_comm(small_bytes=4096), make_comm(small_bytes=0, shared_memory=False)
@@ -196,9 +196,10 @@ def test_shared_reduce_scatters_reduces_and_all_gathers_are_bitwise_the_ring_and
 
 @pytest.mark.parallel(nprocs=[2, 3, 4])
 def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeypatch):
-    """Reduce-scatters, all-gathers, broadcasts and reduces back to back, in slots and in inboxes, with every
-    rank but rank 0 slow, at random, to read the others' places (its copies out and folds), and no
-    other handshake between them: every call gets its own call's data."""
+    """Reduce-scatters, all-gathers, broadcasts, reduces and all-reduces back to back, in slots and in inboxes,
+    with every rank but rank 0 slow, at random, to read the others' places (its copies out and folds) and to
+    write its reduced chunk into the others' inboxes, and no other handshake between them: every call gets
+    its own call's data."""
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
     comm = make_comm(small_bytes=4096)
@@ -219,7 +220,7 @@ def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeyp
         count = int(plan.choice([100, inbox]))  # slots, inboxes
         x = np.full(count, call * n + r, np.float64)
         lo, hi = comm.shard_bounds(count)[r]
-        kind = int(plan.integers(4))
+        kind = int(plan.integers(5))
         if kind == 0:
             assert (comm.reduce_scatter(x) == sum(call * n + q for q in range(n))).all(), f"reduce_scatter {call}"
         elif kind == 1:
@@ -228,9 +229,13 @@ def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeyp
         elif kind == 2:
             comm.broadcast(x, call % n)
             assert (x == call * n + call % n).all(), f"broadcast {call}"
-        else:
+        elif kind == 3:
             got = comm.reduce(x, "sum", call % n)
             assert got is None if r != call % n else (got == sum(call * n + q for q in range(n))).all(), f"reduce {call}"
+        else:  # (in the inboxes up to the all-reduce's own limit: at 2 ranks below the inbox's size)
+            x = x[: min(count, comm._window_limit("all_reduce") // 8)]
+            got = comm.all_reduce(x) if call % 2 else comm.all_reduce(x, out=np.empty_like(x))
+            assert (got == sum(call * n + q for q in range(n))).all(), f"all_reduce {call}"
     comm.close()
 
 

@@ -3,16 +3,16 @@
 When every rank shares one node (MPI's COMM_TYPE_SHARED split covers them all), the Communicator
 allocates one window (MPI_Win_allocate_shared) at creation. Each rank's region of it holds a
 *line* of 64 bytes (its sequence word and two headers: nothing else shares the cache line), two
-*slots* of up to ``small`` bytes, an *inbox* of up to ``direct`` bytes and an *outbox* (a chunk:
-``direct``/N bytes and a little). Three kinds of call use it, with no message and no request:
+*slots* of up to ``small`` bytes and an *inbox* of up to ``direct`` bytes. Three kinds of call
+use it, with no message and no request:
 
 - a small all-reduce (:class:`SharedBlocks`) copies its buffer into a slot, publishes, waits until
   every rank has published, and folds the N blocks where they lie (the others' slots read in
   place: one copy of the data);
 - a larger one (:class:`SharedDirect`, engine.SharedDirectPlan) copies its buffer (all chunks
-  but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes
-  into its outbox and publishes again; every rank then copies the other ranks' reduced chunks
-  from their outboxes;
+  but its own) into its inbox and publishes; every rank folds its own chunk from the N inboxes,
+  copies the result back over its chunk in every other inbox and publishes again; every rank
+  then copies the other ranks' reduced chunks out of its own inbox;
 - a broadcast, an all-gather or a reduce-scatter up to the inbox's size (:class:`SharedPlaces`,
   engine.SharedPlacesPlan): every rank (a broadcast: the root) copies
   its part into a slot (small) or its inbox, every rank publishes, and every rank reads what it
@@ -27,12 +27,15 @@ has reached k, MPI_Win_sync again, and checks every rank's header k & 1 against 
 it reads any data. Whatever a rank reads after publication k it has read before it publishes
 k + 1. A rank rewrites a place (data or header) only before a publication k' of at least k + 2,
 where k is the last publication after which that place was read (a header and a slot alternate
-with the publication's parity, and a call that writes a slot publishes once; an inbox or outbox
-serves again at the next call that uses an inbox, two publications later at least, since each
-of those publishes twice); by then it has seen every rank
+with the publication's parity, and a call that writes a slot publishes once; an inbox serves
+again at the next call that uses an inbox, two publications later at least, since each of those
+publishes twice); by then it has seen every rank
 publish k' - 1 >= k + 1, so all have finished reading it. So header k & 1 of a rank whose word
-is k or k + 1 is its header of publication k. No other handshake is needed, and a rank may be
-one publication ahead of another.
+is k or k + 1 is its header of publication k. One place is written by another rank: in a larger
+all-reduce, chunk q of an inbox published as k is rewritten by the rank that folds chunk q (the
+only one that reads it) before that rank publishes k + 1, and read by the inbox's owner after
+publication k + 1 and before its own k + 2, after which it rewrites it. No other handshake is
+needed, and a rank may be one publication ahead of another.
 
 Identity and failures: a header that differs (another collective, dtype, op, count, call, or the
 other kind of call) is a :class:`ringcomm.MismatchError` on every rank that sees it; a rank that
@@ -65,12 +68,7 @@ def _lines(nbytes: int) -> int:
 
 def region_bytes(n: int, small: int, direct: int) -> int:
     """The bytes of one rank's region for ``n`` ranks, slots of ``small`` and an inbox of ``direct`` bytes."""
-    return LINE + 2 * _lines(small) + _lines(direct) + _outbox(n, direct)
-
-
-def _outbox(n: int, direct: int) -> int:
-    # a rank's chunk of at most direct bytes: at most 1/n of it and ALIGN (16) elements of 8 bytes more
-    return _lines(direct // n + 128) if direct else 0
+    return LINE + 2 * _lines(small) + _lines(direct)
 
 
 class SharedWindow:
@@ -85,7 +83,7 @@ class SharedWindow:
     def __init__(self, mpi: MPI.Intracomm, small: int, direct: int, spins: int) -> None:
         n = mpi.size
         self.small, self.direct = small, direct
-        self._slot, self._inbox = _lines(small), _lines(direct)
+        self._slot = _lines(small)
         self.win = MPI.Win.Allocate_shared(region_bytes(n, small, direct), 1, comm=mpi)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.regions = [np.frombuffer(self.win.Shared_query(rank)[0], np.uint8) for rank in range(n)]
@@ -116,11 +114,6 @@ class SharedWindow:
     def inbox(self, rank: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of ``rank``'s inbox."""
         at = LINE + 2 * self._slot
-        return self.regions[rank][at : at + nbytes]
-
-    def outbox(self, rank: int, nbytes: int) -> np.ndarray:
-        """The first ``nbytes`` of ``rank``'s outbox."""
-        at = LINE + 2 * self._slot + self._inbox
         return self.regions[rank][at : at + nbytes]
 
     def publish(self, ctx: Any, step: int, what: str, word: int) -> None:
@@ -245,27 +238,24 @@ class SharedDirect(_Headed):
     :class:`SharedWindow` (engine.SharedDirectPlan folds and copies between them).
 
     ``mine``: this rank's inbox, where the caller copies its buffer (all but its own chunk, which
-    nobody else reads) before :meth:`inputs`; ``inboxes[i]``: rank i's buffer, after it;
-    ``outboxes[i]``: rank i's reduced chunk (its chunk of ``bounds``, the chunks by ring place),
-    which the caller writes into its own before :meth:`outputs` and reads from the others' after it.
+    nobody else reads) before :meth:`inputs`; ``inboxes[i]``: rank i's buffer, after it. Between
+    the two publications the rank that folds chunk q (of the chunks by ring place) writes the
+    reduced chunk over chunk q of every other inbox; after :meth:`outputs` each rank reads the
+    reduced chunks from its own inbox.
     """
 
-    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, bounds: Any) -> None:
+    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int) -> None:
         super().__init__(window, 1, count)
-        n, nbytes = comm.size, count * dtype.itemsize
-        self.inboxes = [window.inbox(rank, nbytes).view(dtype) for rank in range(n)]
+        nbytes = count * dtype.itemsize
+        self.inboxes = [window.inbox(rank, nbytes).view(dtype) for rank in range(comm.size)]
         self.mine = self.inboxes[comm.rank]
-        self.outboxes = [np.empty(0, dtype)] * n
-        for place, (lo, hi) in enumerate(bounds):
-            rank = comm.ring[place]
-            self.outboxes[rank] = window.outbox(rank, (hi - lo) * dtype.itemsize).view(dtype)
 
     def inputs(self, ctx: Any) -> None:
         """Publish this rank's buffer (in ``mine``), wait for every rank's, check the headers."""
         self.window.publish(ctx, 0, "whole buffer", self.word(ctx))
 
     def outputs(self, ctx: Any) -> None:
-        """Publish this rank's reduced chunk (in its outbox), wait for every rank's, check the headers."""
+        """Publish this rank's reduced chunk (in the others' inboxes), wait for every rank's, check the headers."""
         self.window.publish(ctx, 1, "reduced chunk", self.word(ctx))
 
 
