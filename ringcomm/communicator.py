@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -48,9 +49,9 @@ GATHER_LIMIT = 16
 #: are 13-15 % faster; at 32 MiB the gain is within noise)
 PLAN_BYTES = 16 << 20
 #: host all-reduces (and broadcasts) on one node up to this size run through the shared-memory window
-#: (engine.SharedDirectPlan above small_bytes; the engine's plans above it). Each rank's region of
-#: the window holds two slots of min(the largest small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct
-#: size (and its chunk): all ranks together at most SHARED_TOTAL_BYTES and a quarter of the free
+#: in one piece (engine.SharedDirectPlan above small_bytes; larger all-reduces in pieces, see
+#: SHARED_PIECE_BYTES). Each rank's region of the window holds two slots of min(the largest
+#: small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct size: all ranks together at most SHARED_TOTAL_BYTES and a quarter of the free
 #: space of /dev/shm (which containers keep small, 64 MiB by default in Docker), the direct size
 #: shrunk (then dropped, then the slots too) to fit
 SHARED_BYTES = 4 << 20
@@ -61,13 +62,21 @@ SHARED_TOTAL_BYTES = 32 << 20
 #: yielding at once); with more ranks than cores it yields at once (the rank it waits for may need
 #: this core; measured: spinning first is slower at N = 4)
 SHARED_SPINS = 50
-#: at 2 ranks an all-reduce, an all-gather's shard and a broadcast run in the window up to these
-#: sizes: beyond them MPI's one message per rank (the receiver reads the sender's buffer: one copy)
-#: is faster than the window's copy in and copy out (measured on 2 cores: an all-reduce from 1.75
-#: MiB, in place 310 us in the window against the ring's 285 at 2 MiB; all-gathers of 256 KiB-2 MiB
+#: at 2 ranks an all-gather's shard and a broadcast run in the window up to these sizes: beyond
+#: them MPI's one message per rank (the receiver reads the sender's buffer: one copy) is faster
+#: than the window's copy in and copy out (measured on 2 cores: all-gathers of 256 KiB-2 MiB
 #: shards 0.26-0.36 of MPICH in place against the ring's 0.54-0.83, out of place 0.76-0.96 against
 #: 0.78-0.86; a broadcast of 64 KiB 8.2 us against the chain's 6.8, of 32 KiB 5.2 against 5.4)
-SHARED_PAIR_LIMITS = {"all_reduce": 7 << 18, "all_gather": 128 << 10, "broadcast": 32 << 10}
+SHARED_PAIR_LIMITS = {"all_gather": 128 << 10, "broadcast": 32 << 10}
+#: an all-reduce larger than the inbox runs in the window in pieces (two publications each: each
+#: rank's run of every chunk side by side in the inbox) when an inbox holds N runs of at least this
+#: size, at every size; else it leaves the window beyond the inbox. (Measured on 2 cores, 16 MiB,
+#: µs out / in place, against the ring's 2249 / 2537 at N = 2 and 7285 / 7640 at N = 4: runs of
+#: 2 MiB (N = 2, inbox 4 MiB) 2062 / 1461; 512 KiB 1980 / 1437; 128 KiB 2304 / 2185; 32 KiB
+#: 4214 / 3490; at N = 4 runs of 1 MiB 6462 / 7724, 256 KiB 7544 / 6313, 64 KiB 10158 / 9417; at
+#: 64 MiB the bench gave 3.4-3.7x MPICH out of place and 3.4-3.8x in place at N = 2, against the
+#: ring's 3.5-3.7x and 3.2x, and at N = 4 2.9-3.4x against 1.9-2.5x.)
+SHARED_PIECE_BYTES = 256 << 10
 
 _CLOSED = "closed by Communicator.close()"
 #: bytes of an abort message: the origin rank and the communicator's number (int64), then the error in UTF-8
@@ -246,10 +255,11 @@ class Communicator:
 
     def shared_memory(self) -> tuple[int, int] | None:
         """The shared-memory window's (small, direct) bytes: host all-reduces up to ``small``
-        (and small_bytes) gather there, those up to ``direct`` run the shared direct all-reduce;
-        broadcasts run there up to ``small`` (at 3 or more ranks up to ``direct``), the other
-        collectives up to ``direct`` (at 2 ranks all-reduces, all-gathers and broadcasts at most
-        SHARED_PAIR_LIMITS; _window_limit);
+        (and small_bytes) gather there, larger ones run the shared direct all-reduce (beyond
+        ``direct`` in pieces, when ``direct`` holds N runs of SHARED_PIECE_BYTES; else they leave
+        the window there); broadcasts run there up to ``small`` (at 3 or more ranks up to
+        ``direct``), the other collectives up to ``direct`` (at 2 ranks all-gathers and broadcasts
+        at most SHARED_PAIR_LIMITS; _window_limit);
         None when there is no window (ranks on several nodes, ``shared_memory=False``, no room)."""
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
@@ -573,29 +583,30 @@ class Communicator:
             if place * ctx.dtype.itemsize > self._window_limit(ctx.collective):
                 return None
             if ctx.collective == "all_reduce":
-                made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count))
+                made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count, bounds))
             else:
                 places = SharedPlaces(window, ctx.dtype, count, place)
                 made = SharedPlacesPlan(ctx, bounds, places, root, sent_bytes(steps, bounds, ctx.dtype.itemsize))
             plan = self._cache(key, made)
         return plan
 
-    def _window_limit(self, collective: str) -> int:
+    def _window_limit(self, collective: str) -> float:
         """The most bytes a host ``collective`` writes into a rank's place in the shared-memory
-        window (:func:`_place`; there is one): an all-reduce up to its inbox (engine.SharedDirectPlan;
-        smaller ones gather in its slots), an all-gather's shard and a reduce-scatter's or a
-        reduce's buffer up to its inbox, a broadcast up to its slots and at 3 or more ranks up to
-        its inbox (engine.SharedPlacesPlan); at 2 ranks an all-reduce, an all-gather and a broadcast
-        at most SHARED_PAIR_LIMITS. (Measured on 2 cores against the ring at N = 2 from 128 KiB to
-        2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x, and at 4 MiB 1.20/0.95 against
-        0.85/0.79 (out / in place); a broadcast against the chain at N = 4, 1.5-3x faster from
+        window (:func:`_place`; there is one): an all-reduce of any size when the inbox holds N
+        runs of SHARED_PIECE_BYTES (in pieces beyond the inbox), else up to the inbox
+        (engine.SharedDirectPlan; smaller ones gather in its slots), an all-gather's shard and a
+        reduce-scatter's or a reduce's buffer up to its inbox, a broadcast up to its slots and at 3
+        or more ranks up to its inbox (engine.SharedPlacesPlan); at 2 ranks an all-gather and a
+        broadcast at most SHARED_PAIR_LIMITS; ``math.inf``: no limit. (Measured on 2 cores against
+        the ring at N = 2 from 128 KiB to 2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x,
+        and at 4 MiB 1.20/0.95 against 0.85/0.79 (out / in place); a broadcast against the chain at N = 4, 1.5-3x faster from
         128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce against the chain: 2-3x
         faster up to 32 KiB at N = 2 and 4, 1.3-2x from 32 KiB to 2 MiB at N = 2 and 3, at N = 4
         from 32 KiB to 2 MiB, and even at 4 MiB, where the root's fold of four buffers on one core
         meets the chain's folds spread over the ranks, as at N = 2.)"""
         window = self._shared
         if collective == "all_reduce":
-            limit = window.direct
+            return math.inf if window.direct // self.size >= SHARED_PIECE_BYTES else window.direct
         elif collective == "broadcast" and self.size == 2:
             limit = window.small
         else:
@@ -745,9 +756,8 @@ def _window_bytes(n: int, small_bytes: int, free: int) -> tuple[int, int] | None
     """The shared-memory window's (slot, direct) data bytes for ``n`` ranks, or None: slots of
     small_bytes (at most SHARED_SMALL_BYTES), an inbox of SHARED_BYTES, halved until all regions
     together fit SHARED_TOTAL_BYTES and a quarter of ``free``; without slots or inbox, no window.
-    (Measured on 2 cores: the shared direct all-reduce beats the ring's plan up to 1.75 MiB at
-    N = 2, where MPI's single-copy ring moves fewer bytes beyond it (Communicator._window_limit),
-    and at 4 MiB still by 1.4x at N = 4; a reduce-scatter at N = 2 by 1.2-1.4x at 4 MiB.)"""
+    (Measured on 2 cores: a reduce-scatter at N = 2 beats the ring by 1.2-1.4x at 4 MiB; the
+    all-reduce's pieces: SHARED_PIECE_BYTES.)"""
     budget = min(SHARED_TOTAL_BYTES, free // 4)
     small, direct = min(small_bytes, SHARED_SMALL_BYTES), SHARED_BYTES
     while direct and n * region_bytes(n, small, direct) > budget:

@@ -406,59 +406,66 @@ def _direct_sent(bounds: Bounds, p: int, n: int, itemsize: int, gathers: bool) -
 
 
 class SharedDirectPlan:
-    """An all-reduce in two publications through shared memory (host, every rank on one node;
-    transports.shm.SharedDirect), bitwise the ring's result.
+    """An all-reduce in two publications per piece through shared memory (host, every rank on one
+    node; transports.shm.SharedDirect, which cuts the chunks into pieces that fit an inbox: one
+    when the buffer does), bitwise the ring's result.
 
-    Each rank copies every chunk of its buffer but its own into its inbox and publishes; it folds
-    its own chunk p, the other inboxes' copies of it and its own data last, in
-    :func:`ringcomm.schedule.fold_order` (the ring's order), into ``work``, copies the result into
-    chunk p of every other inbox (over the copy it read there) and publishes again; then it copies
-    the other chunks into ``work`` from its own inbox. Each rank reduces 1/N of the buffer, as in
-    the ring, with two waits instead of 2(N-1) dependent steps, no message, and nothing of the
-    call's arrays visible to the other ranks (in place costs as much as out of place). Bound to the
-    window, not to any array, so it is looked up by collective, dtype and bounds alone; it owns no
-    memory (``nbytes`` 0).
+    For each piece, each rank copies its runs of every chunk but its own into its inbox and
+    publishes; it folds its own chunk p's run, the other inboxes' copies of it and its own data
+    last, in :func:`ringcomm.schedule.fold_order` (the ring's order), into ``work``, copies the
+    result over that run in every other inbox and publishes again; then it copies the other
+    chunks' runs into ``work`` from its own inbox. Each rank reduces 1/N of the buffer, as in the
+    ring, with two waits per piece instead of 2(N-1) dependent steps, no message, and nothing of
+    the call's arrays visible to the other ranks (in place costs as much as out of place). Bound
+    to the window, not to any array, so it is looked up by collective, dtype and bounds alone; it
+    owns no memory (``nbytes`` 0).
 
     Why the results go back into the inboxes (README, "Where this host's swings come from"): a rank
-    then rewrites, at its next call, only lines that another core wrote with a copy and that it read
-    itself since; rewriting lines that another core has only read (an outbox the others copied out,
-    an inbox the others folded from) costs up to 15x more on a host whose two cores sit far apart
-    (the bench, N = 2, 1 MiB on 2 cores far apart: 82-90 us per call against 387-500 with an outbox
-    each rank folded into and the others copied out of).
+    then rewrites, at its next piece or call, only lines that another core wrote with a copy and
+    that it read itself since; rewriting lines that another core has only read (an outbox the
+    others copied out, an inbox the others folded from) costs up to 15x more on a host whose two
+    cores sit far apart (the bench, N = 2, 1 MiB on 2 cores far apart: 82-90 us per call against
+    387-500 with an outbox each rank folded into and the others copied out of).
     """
 
     nbytes, by_address = 0, False
-    algorithm, steps = "direct (shared memory)", 2
+    algorithm = "direct (shared memory)"
 
     def __init__(self, ctx: Context, bounds: Bounds, shared: Any) -> None:
         comm = ctx.comm
         n, p, ring = comm.size, comm.position, comm.ring
-        self.shared, self.n = shared, n
-        lo, hi = bounds[p]
-        self._mine = slice(lo, hi)
-        #: the other ranks' copies of chunk p in fold order (this rank's own, last, is read from src);
-        #: the first also holds the partial fold of the others' copies when there are more than one
-        self._others = [shared.inboxes[ring[q]][lo:hi] for q in fold_order(n, p)[:-1]]
-        #: what this rank publishes: every chunk but its own, into its inbox; and at the end reads back
-        self._ins = [(slice(a, b), shared.mine[a:b]) for q, (a, b) in enumerate(bounds) if q != p and b > a]
+        self.shared, self.n, self.steps = shared, n, 2 * len(shared.runs)
+        order = fold_order(n, p)[:-1]
+        #: by piece: (its run of this rank's chunk p in the buffer, the other ranks' copies of it in
+        #: fold order (this rank's own, last, is read from src; the first also holds the partial fold of
+        #: the others' when there are more than one), and what this rank publishes: its runs of every
+        #: chunk but its own, by where they lie in the buffer and in its inbox, and at the end reads back)
+        self._pieces = []
+        for runs in shared.runs:
+            a, b, at = runs[p]
+            others = [shared.inboxes[ring[q]][at : at + b - a] for q in order] if b > a else []
+            ins = [(slice(lo, hi), shared.mine[where : where + hi - lo]) for q, (lo, hi, where) in enumerate(runs)
+                   if q != p and hi > lo]
+            self._pieces.append((slice(a, max(a, b)), others, ins))
         self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, True)
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:
-        device, op, shared, mine, others = ctx.device, ctx.op, self.shared, self._mine, self._others
-        for at, box in self._ins:
-            device.copy(box, src[at])
-        shared.inputs(ctx)
-        if others and others[0].size:
-            first, size = others[0], others[0].size
-            if len(others) > 1:  # the others' copies folded into the first (work may be src: read last)
-                device.fold(first, [(0, size, others)], op)
-            div = self.n if op is AVG else 1
-            device.fold(work[mine], [(0, size, [first, src[mine]])], op, div)
-            for box in others:
-                device.copy(box, work[mine])
-        shared.outputs(ctx)
-        for at, box in self._ins:
-            device.copy(work[at], box)
+        device, op, shared = ctx.device, ctx.op, self.shared
+        div = self.n if op is AVG else 1
+        for k, (mine, others, ins) in enumerate(self._pieces):
+            for at, box in ins:
+                device.copy(box, src[at])
+            shared.inputs(ctx, k)
+            if others:
+                first, size = others[0], others[0].size
+                if len(others) > 1:  # the others' copies folded into the first (work may be src: read last)
+                    device.fold(first, [(0, size, others)], op)
+                device.fold(work[mine], [(0, size, [first, src[mine]])], op, div)
+                for box in others:
+                    device.copy(box, work[mine])
+            shared.outputs(ctx, k)
+            for at, box in ins:
+                device.copy(work[at], box)
         return self.sent
 
     def free(self) -> None:

@@ -170,8 +170,10 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     if nranks == 2:  # the window's own limits at 2 ranks (the defaults' slots and inbox hold more)
         pair = communicator.SHARED_PAIR_LIMITS
         assert (f"broadcast up to {pair['broadcast']} B" in text and f"all_gather up to {pair['all_gather']} B a shard"
-                in text and f"up to {pair['all_reduce']} B: direct" in text), text
-    assert "above: ring, and chain for broadcast and reduce" in text
+                in text), text
+    # (all-reduces stay in the window at every size: the default inbox holds N runs of SHARED_PIECE_BYTES)
+    assert "; above: direct (shared memory: " in text and " B in pieces)" in text, text
+    assert "above (not all_reduce): ring, and chain for broadcast and reduce" in text
     assert json.loads(path.read_text())["environment"]["small_bytes"] == 65536
     assert all(t.status == "OK" and t.wrong == 0 for t in parse_tables(acc))
     tables = parse_tables(text)

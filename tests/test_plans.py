@@ -65,10 +65,13 @@ def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
             assert np.array_equal(got, np.max(xs, axis=0))
         assert len(comm._plans) <= 5 and comm._plan_bytes <= communicator.PLAN_CACHE_BYTES
     assert {key[0] for key in comm._plans} <= {"reduce_scatter", "all_gather", "broadcast", "reduce"}
-    big = np.ones(communicator.PLAN_BYTES // 8 + 16)  # above PLAN_BYTES: the engine's loop, no plan kept
+    big = np.ones(communicator.PLAN_BYTES // 8 + 16)  # above PLAN_BYTES: no plan bound to its addresses is kept
     before = set(comm._plans)
-    assert (comm.all_reduce(big) == n).all()
-    assert set(comm._plans) <= before
+    assert (comm.all_reduce(big) == n).all()  # (in the window, in pieces: a plan bound to the window, no memory)
+    assert all(key[-1] == "shared" and comm._plans[key].nbytes == 0 for key in set(comm._plans) - before)
+    comm.close()
+    comm = make_comm(small_bytes=0, shared_memory=False)  # without the window: the engine's loop
+    assert (comm.all_reduce(np.ones_like(big)) == n).all() and not comm._plans
     comm.close()
 
 
@@ -238,12 +241,13 @@ def test_inplace_replica_runs_and_checks_its_results():
 
 
 def test_cross_core_probe_runs_and_checks_what_it_reads():
-    """benchmarks/cross_core.py (the README's cross-core line costs): both ranks' four timings, the
-    reads checked (a wrong byte exits non-zero), and a refusal of any other number of ranks."""
+    """benchmarks/cross_core.py (the README's cross-core line costs): both ranks' six timings (written
+    and read, handed back, alone), the reads checked (a wrong byte exits non-zero), and a refusal of
+    any other number of ranks."""
     out = _two_rank_script("cross_core.py", "65536")
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1"], out
-    assert all(len(row) == 5 and all(float(v) > 0 for v in row[1:]) for row in rows), out
+    assert all(len(row) == 7 and all(float(v) > 0 for v in row[1:]) for row in rows), out
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

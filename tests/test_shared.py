@@ -5,7 +5,9 @@ drift apart in time; mismatches and missing peers; the window's size and its fre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import math
 import sys
 import time
 
@@ -58,6 +60,40 @@ def test_shared_all_reduces_are_bitwise_the_ring_and_right():
     kinds = {type(v) for v in shared._gathers.values()} | {type(p) for p in shared._plans.values()}
     assert kinds == {SharedGatherFold, SharedDirectPlan}, kinds
     assert all(v.algorithm == "gather-fold (shared memory)" for v in shared._gathers.values())
+    shared.close()
+    ring.close()
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4, 5])
+def test_all_reduces_beyond_the_inbox_run_in_pieces_bitwise_the_ring():
+    """All-reduces larger than the inbox (one element more; two and a half inboxes, not dividing N)
+    run in the window in pieces: the ring's bits (every op for float32; sums, and averages or
+    maxima, for the other types), in and out of place, the same on every rank, and (float32) within
+    float64's reference."""
+    mpi = MPI.COMM_WORLD
+    shared, ring = make_comm(), make_comm(small_bytes=0, shared_memory=False)
+    ring.single_node = False  # the ring itself (no direct exchange), the reference bits
+    inbox = shared.shared_memory()[1]
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank, 2])
+    for dtype in map(np.dtype, DTYPES[:5]):
+        for count in (inbox // dtype.itemsize + 1, 5 * inbox // dtype.itemsize // 2 + 7):
+            ops = ReduceOp if dtype == np.float32 else (ReduceOp.SUM, ReduceOp.MAX if dtype.kind in "iu" else ReduceOp.AVG)
+            for op in ops:
+                x = random_input(rng, count, dtype, op)
+                got, want = np.empty_like(x), np.empty_like(x)
+                shared.all_reduce(x, op, out=got)
+                ring.all_reduce(x, op, out=want)
+                what = f"count {count} {dtype} {op}"
+                assert got.tobytes() == want.tobytes(), what
+                y = x.copy()
+                shared.all_reduce(y, op)  # in place
+                assert y.tobytes() == want.tobytes(), what + " in place"
+                digest = hashlib.sha256(got).hexdigest()
+                assert mpi.allgather(digest) == [digest] * mpi.size, what
+                if dtype == np.float32:
+                    assert_matches(got, gather_all(mpi, x), op, what)
+    pieces = sorted(p.steps // 2 for p in shared._plans.values() if isinstance(p, SharedDirectPlan))
+    assert len(pieces) == 10 and pieces[0] == 2 and pieces[-1] >= 3, pieces  # (every call in the window, in pieces)
     shared.close()
     ring.close()
 
@@ -335,9 +371,10 @@ def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatch():
-    """Counts that put the same call on both sides of a window size (the inbox's; a broadcast at 2
-    ranks, the slots'), and an all-reduce against a reduce in the window: a rank
+def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatch(monkeypatch):
+    """Counts that put the same call on both sides of a window size (the inbox's, an all-reduce's
+    in a window too small for its pieces; a broadcast at 2 ranks, the slots'), and an all-reduce
+    against a reduce in the window: a rank
     outside sees the other's header in the window (the only sign when the ranks outside wait for
     a message that nobody sends: a broadcast whose root is in the window), one inside a message of
     its call; all raise at once (a MismatchError, or the AbortError it sends), not after the timeout. (A chain's
@@ -361,7 +398,10 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
         ("reduce", lambda c, d, s: c.reduce(across(c, d, outside=1))),
         ("reduce", lambda c, d, s: c.reduce(np.ones(100, np.float32)) if r else c.all_reduce(np.ones(100, np.float32))),
     )
+    inbox = communicator.SHARED_BYTES
     for name, call in cases:
+        # (an all-reduce stays in the window at every size while the inbox holds N runs of SHARED_PIECE_BYTES)
+        monkeypatch.setattr(communicator, "SHARED_BYTES", 256 << 10 if name == "all_reduce" else inbox)
         comm = make_comm(timeout=10, small_bytes=1024)
         small, direct = comm.shared_memory()
         start = time.monotonic()
@@ -536,28 +576,38 @@ def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_all_reduces_leave_the_window_where_the_ring_is_faster(caplog):
-    """At 2 ranks an all-reduce runs in the window up to SHARED_PAIR_LIMITS (from there MPI's
-    single-copy ring is as fast, and faster in place), the ring beyond; at 3 or more up to the
-    inbox, as reduce-scatters do at every N; all-gathers at 2 ranks up to shards of their pair limit
-    (the single-copy ring beyond: in place twice as fast), at 3 or more up to the inbox; broadcasts
-    at 2 ranks up to the slots and their pair limit (the chain's one message beyond), at 3 or more
-    up to the inbox."""
-    comm = make_comm()
-    n, inbox = comm.size, comm.shared_memory()[1]
-    pair = communicator.SHARED_PAIR_LIMITS
-    limit = min(inbox, pair["all_reduce"]) if n == 2 else inbox
-    for nbytes, algorithm in ((limit, "direct (shared memory)"), (limit + 64, "direct" if n > 2 else "ring")):
-        x = np.ones(nbytes // 4, np.float32)
-        caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger="ringcomm"):
-            assert (comm.all_reduce(x) == n).all()
-        assert f"algorithm={algorithm} transport" in caplog.text, (nbytes, caplog.text)
+def test_all_reduces_stay_in_the_window_in_pieces_and_other_calls_leave_it_where_the_ring_is_faster(caplog, monkeypatch):
+    """An all-reduce runs in the window at every size while an inbox holds N runs of
+    SHARED_PIECE_BYTES: in one piece (2 waits) up to the inbox, in two beyond it; in a smaller
+    window it leaves it beyond the inbox (the ring at 2 ranks, the direct exchange at 3 or more).
+    Reduce-scatters run there up to the inbox at every N; all-gathers at 2 ranks up to shards of
+    their pair limit (the single-copy ring beyond: in place twice as fast), at 3 or more up to the
+    inbox; broadcasts at 2 ranks up to the slots and their pair limit (the chain's one message
+    beyond), at 3 or more up to the inbox."""
+    inboxes = communicator.SHARED_BYTES, 256 << 10  # (the default holds runs of SHARED_PIECE_BYTES, the smaller does not)
+    for size in inboxes:
+        monkeypatch.setattr(communicator, "SHARED_BYTES", size)
+        comm = make_comm()
+        n, inbox = comm.size, comm.shared_memory()[1]
+        pieces = inbox // n >= communicator.SHARED_PIECE_BYTES
+        assert pieces == (size == inboxes[0]) and comm._window_limit("all_reduce") == (math.inf if pieces else inbox)
+        beyond = ("direct (shared memory)", 4) if pieces else ("direct" if n > 2 else "ring", 2 if n > 2 else 2 * (n - 1))
+        for nbytes, (algorithm, steps) in ((inbox, ("direct (shared memory)", 2)), (inbox + 64, beyond)):
+            x = np.ones(nbytes // 4, np.float32)
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="ringcomm"):
+                assert (comm.all_reduce(x) == n).all()
+            assert f"algorithm={algorithm} transport" in caplog.text and f"steps={steps} " in caplog.text, (
+                nbytes, caplog.text)
+        if pieces:
+            break
+        comm.close()
     x = np.ones(inbox // 4, np.float32)  # a reduce-scatter's buffer fills the inbox at every N
     with caplog.at_level(logging.DEBUG, logger="ringcomm"):
         comm.reduce_scatter(x)
     assert "(shared memory)" in caplog.text.splitlines()[-1], caplog.text
     shard_limit = comm._window_limit("all_gather")  # all-gathers: at 2 ranks shards up to the pair limit
+    pair = communicator.SHARED_PAIR_LIMITS
     assert shard_limit == (min(inbox, pair["all_gather"]) if n == 2 else inbox)
     for shard_bytes, shared in ((shard_limit, True), (shard_limit + 64, False)):
         shard = np.full(shard_bytes // 4, comm.rank, np.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import traceback
 from collections.abc import Sequence
@@ -363,7 +364,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
         bcast, shard, places = (comm._window_limit(c) for c in ("broadcast", "all_gather", "reduce_scatter"))
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
-                     + (f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
+                     + ("; above: direct (shared memory: each rank reduces its chunk from every rank's inbox; "
+                        f"beyond {window[1]} B in pieces)" if direct == math.inf else
+                        f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
                         "rank's inbox)" if direct else "")
                      + "; bitwise the ring's result"
                      + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
@@ -371,8 +374,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + (f"; all_gather up to {shard} B a shard: copy (shared memory)" if shard else "")
                      + (f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
                         "the root the whole buffer, from every rank's buffer in the window)" if places else "")
-                     + "; above: ring, and chain for broadcast and reduce (host buffers up to "
-                     f"{PLAN_BYTES >> 20} MiB: cached plans of persistent requests; all_reduce and reduce_scatter of 3+ ranks: direct)")
+                     + f"; above{' (not all_reduce)' if direct == math.inf else ''}: ring, and chain for broadcast and "
+                     f"reduce (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests; "
+                     f"{'' if direct == math.inf else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)")
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
         limit = max(comm._small(device), 0)

@@ -234,29 +234,47 @@ class SharedBlocks(_Headed):
 
 
 class SharedDirect(_Headed):
-    """A larger all-reduce's two publications of ``count`` elements of ``dtype`` through a
-    :class:`SharedWindow` (engine.SharedDirectPlan folds and copies between them).
+    """A larger all-reduce's publications of ``count`` elements of ``dtype`` through a
+    :class:`SharedWindow`, two per *piece* (engine.SharedDirectPlan folds and copies between them).
 
-    ``mine``: this rank's inbox, where the caller copies its buffer (all but its own chunk, which
-    nobody else reads) before :meth:`inputs`; ``inboxes[i]``: rank i's buffer, after it. Between
-    the two publications the rank that folds chunk q (of the chunks by ring place) writes the
-    reduced chunk over chunk q of every other inbox; after :meth:`outputs` each rank reads the
-    reduced chunks from its own inbox.
+    ``runs[k][q]``: where piece k holds its run of chunk q (of ``bounds``, the chunks by ring
+    place): (start, stop) in the buffer (empty where the chunk has ended) and where it lies in an
+    inbox. A buffer that fits an inbox is one piece, each chunk where it lies in the buffer; a
+    larger one is cut into the fewest pieces whose N runs of at most ``stride`` elements fit an
+    inbox side by side (chunk q's at ``q * stride``, on a cache line). ``mine``: this rank's inbox,
+    where the caller copies its runs of the piece (all but its own chunk's, which nobody else
+    reads) before :meth:`inputs`; ``inboxes[i]``: rank i's, after it. Between the two publications
+    the rank that folds chunk q writes the reduced run over chunk q's run in every other inbox;
+    after :meth:`outputs` each rank reads the reduced runs from its own inbox.
     """
 
-    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int) -> None:
+    def __init__(self, comm: Any, window: SharedWindow, dtype: np.dtype, count: int, bounds: Any) -> None:
         super().__init__(window, 1, count)
-        nbytes = count * dtype.itemsize
-        self.inboxes = [window.inbox(rank, nbytes).view(dtype) for rank in range(comm.size)]
+        n, size = comm.size, dtype.itemsize
+        most = window.direct // size  # (elements of an inbox)
+        if count <= most:
+            self.runs, used = [[(lo, hi, lo) for lo, hi in bounds]], count
+        else:
+            line = max(1, LINE // size)  # (elements of a cache line)
+            longest = max(line, most // n // line * line)  # the longest run N of which fit an inbox
+            largest = max(hi - lo for lo, hi in bounds)
+            pieces = -(-largest // longest)
+            stride = -(-(-(-largest // pieces)) // line) * line
+            self.runs = [[(lo + k * stride, min(lo + (k + 1) * stride, hi), q * stride) for q, (lo, hi) in enumerate(bounds)]
+                         for k in range(pieces)]
+            used = n * stride
+        self.inboxes = [window.inbox(rank, used * size).view(dtype) for rank in range(n)]
         self.mine = self.inboxes[comm.rank]
 
-    def inputs(self, ctx: Any) -> None:
-        """Publish this rank's buffer (in ``mine``), wait for every rank's, check the headers."""
-        self.window.publish(ctx, 0, "whole buffer", self.word(ctx))
+    def inputs(self, ctx: Any, piece: int) -> None:
+        """Publish this rank's runs of ``piece`` (in ``mine``), wait for every rank's, check the headers."""
+        what = "whole buffer" if len(self.runs) == 1 else f"piece {piece} of its buffer"
+        self.window.publish(ctx, 2 * piece, what, self.word(ctx))
 
-    def outputs(self, ctx: Any) -> None:
-        """Publish this rank's reduced chunk (in the others' inboxes), wait for every rank's, check the headers."""
-        self.window.publish(ctx, 1, "reduced chunk", self.word(ctx))
+    def outputs(self, ctx: Any, piece: int) -> None:
+        """Publish this rank's reduced run of ``piece`` (in the others' inboxes), wait for every rank's, check the headers."""
+        what = "reduced chunk" if len(self.runs) == 1 else f"reduced chunk of piece {piece}"
+        self.window.publish(ctx, 2 * piece + 1, what, self.word(ctx))
 
 
 class SharedPlaces(_Headed):
