@@ -580,7 +580,7 @@ class Communicator:
         plan = self._plans.get(key)  # (made only for a call that fits: the window's sizes never change)
         if plan is None:
             place = _place(ctx.collective, bounds, count)
-            if place * ctx.dtype.itemsize > self._window_limit(ctx.collective):
+            if place * ctx.dtype.itemsize > self._window_limit(ctx.collective) or count >= transports.shm.COUNT_LIMIT:
                 return None
             if ctx.collective == "all_reduce":
                 made = SharedDirectPlan(ctx, bounds, SharedDirect(self, window, ctx.dtype, count, bounds))

@@ -26,16 +26,17 @@ shared-memory model), then its sequence word = k; then it waits until every othe
 has reached k, MPI_Win_sync again, and checks every rank's header k & 1 against its own before
 it reads any data. Whatever a rank reads after publication k it has read before it publishes
 k + 1. A rank rewrites a place (data or header) only before a publication k' of at least k + 2,
-where k is the last publication after which that place was read (a header and a slot alternate
-with the publication's parity, and a call that writes a slot publishes once; an inbox serves
-again at the next call that uses an inbox, two publications later at least, since each of those
-publishes twice); by then it has seen every rank
+where k is the last publication after which another rank read that place (a header and a slot
+alternate with the publication's parity, and a call that writes a slot publishes once; an inbox
+serves again at the next call or all-reduce piece that uses an inbox, two publications later at
+least, since each of those publishes twice); by then it has seen every rank
 publish k' - 1 >= k + 1, so all have finished reading it. So header k & 1 of a rank whose word
 is k or k + 1 is its header of publication k. One place is written by another rank: in a larger
-all-reduce, chunk q of an inbox published as k is rewritten by the rank that folds chunk q (the
-only one that reads it) before that rank publishes k + 1, and read by the inbox's owner after
-publication k + 1 and before its own k + 2, after which it rewrites it. No other handshake is
-needed, and a rank may be one publication ahead of another.
+all-reduce, chunk q's run of an inbox published as k is rewritten by the rank that folds chunk q
+(the only other rank that reads it) before that rank publishes k + 1; the inbox's owner reads it
+after publication k + 1 (having seen every rank's) and rewrites it itself, after that read and
+before it publishes k + 2. No other handshake is needed, and a rank may be one publication ahead
+of another. A header holds counts below COUNT_LIMIT (2**31): larger calls never use the window.
 
 Identity and failures: a header that differs (another collective, dtype, op, count, call, or the
 other kind of call) is a :class:`ringcomm.MismatchError` on every rank that sees it; a rank that
@@ -60,6 +61,8 @@ from .base import wait_until
 LINE = 64
 #: the kinds of call, as headers carry them (bit 31 of a header's first word) and errors name them
 KINDS = ("in slots", "in inboxes")
+#: the counts a header can carry (bits 32-62 of its first word, an int64)
+COUNT_LIMIT = 1 << 31
 
 
 def _lines(nbytes: int) -> int:
