@@ -446,7 +446,7 @@ class SharedDirectPlan:
             others = [shared.inboxes[ring[q]][at : at + b - a] for q in order] if b > a else []
             ins = [(slice(lo, hi), shared.mine[where : where + hi - lo]) for q, (lo, hi, where) in enumerate(runs)
                    if q != p and hi > lo]
-            self._pieces.append((slice(a, max(a, b)), others, ins))
+            self._pieces.append((slice(a, b), others, ins))  # (its own run: used only when it is not empty)
         self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, True)
 
     def run(self, ctx: Context, work: Any, src: Any) -> int:

@@ -5,7 +5,6 @@ drift apart in time; mismatches and missing peers; the window's size and its fre
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import sys
@@ -31,6 +30,24 @@ def _counts(n: int, small: int) -> tuple[int, ...]:
     return (0, 1, n - 1 or 1, 16 * n + 3, small // 4, small // 4 + 1, 40_003)
 
 
+def _assert_the_rings_bits(shared: ringcomm.Communicator, ring: ringcomm.Communicator, x: np.ndarray, op: ReduceOp,
+                           reference: bool) -> None:
+    """``shared``'s all-reduce of ``x``, out of place and in place, is bitwise ``ring``'s and the same on
+    every rank; with ``reference``, within float64's reduction of every rank's ``x``."""
+    mpi = MPI.COMM_WORLD
+    got, want = np.empty_like(x), np.empty_like(x)
+    shared.all_reduce(x, op, out=got)
+    ring.all_reduce(x, op, out=want)
+    what = f"count {x.size} {x.dtype} {op}"
+    assert got.tobytes() == want.tobytes(), what
+    y = x.copy()
+    shared.all_reduce(y, op)  # in place
+    assert y.tobytes() == want.tobytes(), what + " in place"
+    assert mpi.allgather(got.tobytes()) == [got.tobytes()] * mpi.size, what
+    if reference:
+        assert_matches(got, gather_all(mpi, x), op, what)
+
+
 @pytest.mark.parallel(nprocs=[2, 3, 4, 5])
 def test_shared_all_reduces_are_bitwise_the_ring_and_right():
     """Small (slots) and larger (inboxes) all-reduces: the ring's bits for every op and dtype,
@@ -46,17 +63,7 @@ def test_shared_all_reduces_are_bitwise_the_ring_and_right():
                 if op is ReduceOp.AVG and np.dtype(dtype).kind in "iu":
                     continue
                 x = random_input(rng, count, np.dtype(dtype), op)
-                got, want = np.empty_like(x), np.empty_like(x)
-                shared.all_reduce(x, op, out=got)
-                ring.all_reduce(x, op, out=want)
-                what = f"count {count} {np.dtype(dtype)} {op}"
-                assert got.tobytes() == want.tobytes(), what
-                y = x.copy()
-                shared.all_reduce(y, op)  # in place
-                assert y.tobytes() == want.tobytes(), what + " in place"
-                assert mpi.allgather(got.tobytes()) == [got.tobytes()] * mpi.size, what
-                if count and dtype in (np.float32, np.float64, np.int32):
-                    assert_matches(got, gather_all(mpi, x), op, what)
+                _assert_the_rings_bits(shared, ring, x, op, bool(count) and dtype in (np.float32, np.float64, np.int32))
     kinds = {type(v) for v in shared._gathers.values()} | {type(p) for p in shared._plans.values()}
     assert kinds == {SharedGatherFold, SharedDirectPlan}, kinds
     assert all(v.algorithm == "gather-fold (shared memory)" for v in shared._gathers.values())
@@ -81,19 +88,7 @@ def test_all_reduces_beyond_the_inbox_run_in_pieces_bitwise_the_ring():
         for count in (inbox // dtype.itemsize + 1, 5 * inbox // dtype.itemsize // 2 + 7):
             ops = ReduceOp if dtype == np.float32 else (ReduceOp.SUM, ReduceOp.MAX if dtype.kind in "iu" else ReduceOp.AVG)
             for op in ops:
-                x = random_input(rng, count, dtype, op)
-                got, want = np.empty_like(x), np.empty_like(x)
-                shared.all_reduce(x, op, out=got)
-                ring.all_reduce(x, op, out=want)
-                what = f"count {count} {dtype} {op}"
-                assert got.tobytes() == want.tobytes(), what
-                y = x.copy()
-                shared.all_reduce(y, op)  # in place
-                assert y.tobytes() == want.tobytes(), what + " in place"
-                digest = hashlib.sha256(got).hexdigest()
-                assert mpi.allgather(digest) == [digest] * mpi.size, what
-                if dtype == np.float32:
-                    assert_matches(got, gather_all(mpi, x), op, what)
+                _assert_the_rings_bits(shared, ring, random_input(rng, count, dtype, op), op, dtype == np.float32)
     pieces = sorted(p.steps // 2 for p in shared._plans.values() if isinstance(p, SharedDirectPlan))
     assert len(pieces) == 10 and pieces[0] == 2 and pieces[-1] >= 3, pieces  # (every call in the window, in pieces)
     shared.close()

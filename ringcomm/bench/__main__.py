@@ -361,11 +361,12 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window[0], comm._window_limit("all_reduce")
+        pieces = direct == math.inf  # (all-reduces at every size, in pieces beyond the inbox)
         bcast, shard, places = (comm._window_limit(c) for c in ("broadcast", "all_gather", "reduce_scatter"))
         algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
                      "in an MPI shared-memory window, then a local fold in the ring's order)"
                      + ("; above: direct (shared memory: each rank reduces its chunk from every rank's inbox; "
-                        f"beyond {window[1]} B in pieces)" if direct == math.inf else
+                        f"beyond {window[1]} B in pieces)" if pieces else
                         f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
                         "rank's inbox)" if direct else "")
                      + "; bitwise the ring's result"
@@ -374,9 +375,9 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
                      + (f"; all_gather up to {shard} B a shard: copy (shared memory)" if shard else "")
                      + (f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
                         "the root the whole buffer, from every rank's buffer in the window)" if places else "")
-                     + f"; above{' (not all_reduce)' if direct == math.inf else ''}: ring, and chain for broadcast and "
+                     + f"; above{' (not all_reduce)' if pieces else ''}: ring, and chain for broadcast and "
                      f"reduce (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests; "
-                     f"{'' if direct == math.inf else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)")
+                     f"{'' if pieces else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)")
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
         limit = max(comm._small(device), 0)

@@ -262,7 +262,8 @@ class SharedDirect(_Headed):
             longest = max(line, most // n // line * line)  # the longest run N of which fit an inbox
             largest = max(hi - lo for lo, hi in bounds)
             pieces = -(-largest // longest)
-            stride = -(-(-(-largest // pieces)) // line) * line
+            stride = -(-largest // pieces)  # (the runs as even as lines allow)
+            stride = -(-stride // line) * line
             self.runs = [[(lo + k * stride, min(lo + (k + 1) * stride, hi), q * stride) for q, (lo, hi) in enumerate(bounds)]
                          for k in range(pieces)]
             used = n * stride
