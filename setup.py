@@ -13,7 +13,7 @@ setup(
     package_data={"ringcomm.csrc": ["*.cuh", "*.cu"]},
     install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3"],
     extras_require={
-        "test": ["pytest>=7", "mpi-pytest>=2025.0", "hypothesis>=6", "mpich", "matplotlib>=3.6"],
+        "test": ["pytest>=7", "mpi-pytest>=2025.0", "hypothesis>=6", "mpich", "matplotlib>=3.6", "ruff~=0.17.6"],
         # [ctk]: NVRTC and the CUDA headers from PyPI (a machine with only a driver has neither);
         # cuda-bindings: the driver calls CuPy does not wrap (cuMemGetAddressRange, pointer attributes)
         "cuda": ["cupy-cuda13x[ctk]>=14", "cuda-bindings>=13,<14"],

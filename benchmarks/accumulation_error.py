@@ -38,8 +38,8 @@ def data(kind: str, dtype: np.dtype, n: int, count: int, seed: int) -> np.ndarra
     if kind == "normal":
         return rng.standard_normal((n, count)).astype(dtype)
     mant, _ = SHAPE[dtype]
-    big = 2.0 ** 6 * (1 + rng.random(count)) * rng.choice([-1.0, 1.0], count)
-    rows = big * 2.0 ** -mant / 3 * (1 + 0.1 * rng.random((n, count)))  # terms of a third of big's ulp
+    big = 2.0**6 * (1 + rng.random(count)) * rng.choice([-1.0, 1.0], count)
+    rows = big * 2.0**-mant / 3 * (1 + 0.1 * rng.random((n, count)))  # terms of a third of big's ulp
     rows[rng.integers(0, n, count), np.arange(count)] = big  # ... and the large one, on a random rank
     return rows.astype(dtype)
 
@@ -69,15 +69,15 @@ def ulps(got: np.ndarray, x: np.ndarray) -> tuple[float, bool]:
     exact, mass = wide.sum(0), np.abs(wide).sum(0)
     mant, emin = SHAPE[x.dtype]
     rounded = np.abs(exact.astype(x.dtype).astype(np.float64))
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(rounded, 2.0 ** emin))) - mant)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(rounded, 2.0**emin))) - mant)
     err = np.abs(got.astype(np.float64) - exact)
-    bound = 0.5 * ulp + x.shape[0] * 2.0 ** -24 * mass
+    bound = 0.5 * ulp + x.shape[0] * 2.0**-24 * mass
     keep = np.abs(exact) >= mass / 8
     return float((err / ulp)[keep].max()), bool((err <= bound * (1 + 1e-12)).all())
 
 
 def simulate(ns: list[int], count: int) -> None:
-    print("| dtype | data | N | default (ulps) | accumulate=\"float32\" (ulps) | float32 bound holds |")
+    print('| dtype | data | N | default (ulps) | accumulate="float32" (ulps) | float32 bound holds |')
     print("|---|---|---|---|---|---|")
     for name, dtype in DTYPES.items():
         for kind in ("normal", "hard"):
@@ -122,7 +122,7 @@ def measure(count: int) -> int:
         half_op.Free()
     if r == 0:
         print(f"N = {n}, {count} elements, MPI: {MPI.Get_library_version().splitlines()[0].strip()}")
-        print("| dtype | data | default (ulps) | accumulate=\"float32\" (ulps) | bound | MPI (ulps) | MPI's op |")
+        print('| dtype | data | default (ulps) | accumulate="float32" (ulps) | bound | MPI (ulps) | MPI\'s op |')
         print("|---|---|---|---|---|---|---|")
         for name, kind, p, _, w, ok, m, _, how in rows:
             print(f"| {name} | {kind} | {p:.2f} | {w:.2f} | {'yes' if ok else 'NO'} | {m:.2f} | {how} |")
@@ -156,7 +156,9 @@ def bandwidth(size: int, iters: int) -> int:
         med = {m: float(np.median(v)) for m, v in times.items()}
         for m, t in med.items():
             busbw = size / t * 2 * (n - 1) / n / 1e9
-            print(f"N={n} {size >> 20} MiB float16 all_reduce, accumulate={m}: {t * 1e3:.1f} ms, busbw {busbw:.2f} GB/s")
+            print(
+                f"N={n} {size >> 20} MiB float16 all_reduce, accumulate={m}: {t * 1e3:.1f} ms, busbw {busbw:.2f} GB/s"
+            )
         print(f"time ratio float32 / default = {med['float32'] / med['default']:.2f}")
     comm.close()
     return 0
@@ -165,8 +167,13 @@ def bandwidth(size: int, iters: int) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mpi", action="store_true", help="run the real collectives (under mpiexec)")
-    p.add_argument("--bandwidth", type=int, default=0, metavar="BYTES",
-                   help="instead: time a float16 all_reduce of BYTES, default against float32 accumulation (mpiexec)")
+    p.add_argument(
+        "--bandwidth",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="instead: time a float16 all_reduce of BYTES, default against float32 accumulation (mpiexec)",
+    )
     p.add_argument("--count", type=int, default=1 << 16, help="elements per run (default 65536)")
     p.add_argument("--ranks", default="2,3,4,5,8,16,32,64", help="simulated N (default 2,3,4,5,8,16,32,64)")
     args = p.parse_args()

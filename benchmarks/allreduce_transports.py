@@ -63,19 +63,33 @@ def main(argv: list[str] | None = None) -> int:
         used = comm.transport_name(x)
         t = statistics.median(times)
         algbw = count * 4 / t / 1e9
-        rows.append({"transport": name, "ran": used, "ranks": n, "bytes": count * 4, "median_s": t,
-                     "times_s": times, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / max(n, 1),
-                     "wrong": wrong})
+        rows.append(
+            {
+                "transport": name,
+                "ran": used,
+                "ranks": n,
+                "bytes": count * 4,
+                "median_s": t,
+                "times_s": times,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * 2 * (n - 1) / max(n, 1),
+                "wrong": wrong,
+            }
+        )
     base = rows[0]["median_s"]
     for row in rows:
         row["time_over_first"] = row["median_s"] / base
     if r == 0:
         print(f"# all_reduce float32 {args.mib} MiB, {n} ranks, GPUs on this node: {cp.cuda.runtime.getDeviceCount()}")
-        print(f"{'transport':>10} {'ran':>8} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-              f"{'x first':>8} {'wrong':>6}")
+        print(
+            f"{'transport':>10} {'ran':>8} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+            f"{'x first':>8} {'wrong':>6}"
+        )
         for row in rows:
-            print(f"{row['transport']:>10} {row['ran']:>8} {row['median_s'] * 1e3:10.2f} {row['algbw_GBps']:11.2f} "
-                  f"{row['busbw_GBps']:11.2f} {row['time_over_first']:8.2f} {row['wrong']:6d}")
+            print(
+                f"{row['transport']:>10} {row['ran']:>8} {row['median_s'] * 1e3:10.2f} {row['algbw_GBps']:11.2f} "
+                f"{row['busbw_GBps']:11.2f} {row['time_over_first']:8.2f} {row['wrong']:6d}"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"benchmark": "allreduce_transports", "rows": rows}, f, indent=1)

@@ -59,7 +59,9 @@ def main() -> int:
     pc = time.perf_counter
     shared, handed, alone = np.zeros(2), np.zeros(2), np.zeros(2)
 
-    def check(it: int, got: np.ndarray, want: int) -> None:  # (a full check every round would evict the lines it measures)
+    def check(
+        it: int, got: np.ndarray, want: int
+    ) -> None:  # (a full check every round would evict the lines it measures)
         if got[0] != want or got[-1] != want or (it == ROUNDS - 1 and not (got == want).all()):
             raise SystemExit(f"rank {r}: round {it} read {got[got != want][0]} where {want} was written")
 

@@ -100,8 +100,10 @@ def top(stats: pstats.Stats, k: int, calls: int) -> list[dict]:
     """The k functions of most own time: profiled us and calls per collective call."""
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:k]
     label = lambda f: f[2] if f[0] == "~" else f"{os.path.basename(f[0])}:{f[1]}({f[2]})"  # noqa: E731
-    return [{"function": label(key), "us_per_call": tt * 1e6 / calls, "calls_per_call": nc / calls}
-            for key, (_, nc, tt, _, _) in rows]
+    return [
+        {"function": label(key), "us_per_call": tt * 1e6 / calls, "calls_per_call": nc / calls}
+        for key, (_, nc, tt, _, _) in rows
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,22 +162,40 @@ def main(argv: list[str] | None = None) -> int:
             seconds = split(stats)
             total = sum(seconds.values()) or 1.0
             us = {k: per_call * 1e6 * v / total for k, v in seconds.items()}
-            rows.append({"transport": name, "ran": ran, "ranks": n, "bytes": x.nbytes, "steps": steps,
-                         "algorithm": algorithm, "us_per_call": per_call * 1e6,
-                         "us_per_step": per_call * 1e6 / max(steps, 1), "us_by_side": us,
-                         "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()}, "wrong": wrong,
-                         "top": top(stats, args.top, args.iters)})
+            rows.append(
+                {
+                    "transport": name,
+                    "ran": ran,
+                    "ranks": n,
+                    "bytes": x.nbytes,
+                    "steps": steps,
+                    "algorithm": algorithm,
+                    "us_per_call": per_call * 1e6,
+                    "us_per_step": per_call * 1e6 / max(steps, 1),
+                    "us_by_side": us,
+                    "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()},
+                    "wrong": wrong,
+                    "top": top(stats, args.top, args.iters),
+                }
+            )
         comm.close()
         del os.environ["RINGCOMM_TRANSPORT"]
     if r == 0:
-        print(f"# GPU all_reduce host time, float32 out of place, {n} ranks, {args.iters} calls; "
-              f"per side: rank 0's profiled share of the call (us per step)")
-        head = f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'us/step':>8}"
+        print(
+            f"# GPU all_reduce host time, float32 out of place, {n} ranks, {args.iters} calls; "
+            f"per side: rank 0's profiled share of the call (us per step)"
+        )
+        head = (
+            f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'us/step':>8}"
+        )
         print(head + "".join(f" {k:>8}" for k in SIDES) + f" {'wrong':>6}")
         for row in rows:
-            print(f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
-                  f"{row['us_per_call']:9.1f} {row['us_per_step']:8.1f}"
-                  + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES) + f" {row['wrong']:6d}")
+            print(
+                f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
+                f"{row['us_per_call']:9.1f} {row['us_per_step']:8.1f}"
+                + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES)
+                + f" {row['wrong']:6d}"
+            )
             for fn in row["top"]:
                 print(f"{'':>12}{fn['us_per_call']:9.1f} us {fn['calls_per_call']:6.1f}x  {fn['function']}")
         if args.json:

@@ -35,9 +35,12 @@ def build_parser(quiet: bool) -> RankParser:
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between rows (default 2)")
     p.add_argument("-n", "--iters", type=int, default=50, help="timed iterations per row (default 50)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per row (default 5)")
-    p.add_argument("--time-budget", type=float, default=2.0,
-                   help="seconds one timed loop may take; slow sizes get fewer iterations, at least 3 "
-                   "(default 2; 0: never)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=2.0,
+        help="seconds one timed loop may take; slow sizes get fewer iterations, at least 3 (default 2; 0: never)",
+    )
     p.add_argument("--check", type=int, default=1, choices=(0, 1), help="check the results (default 1)")
     return p
 
@@ -51,8 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         sweep = sizes.sweep_sizes(sizes.parse_size(args.minbytes), sizes.parse_size(args.maxbytes), args.stepfactor)
-        settings = Settings(iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), stat="median",
-                            time_budget=args.time_budget)
+        settings = Settings(
+            iters=args.iters,
+            warmup=args.warmup_iters,
+            check=bool(args.check),
+            stat="median",
+            time_budget=args.time_budget,
+        )
     except Exit as e:
         return e.code
     except (UsageError, ValueError) as e:
@@ -69,13 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         nodes, per_node = env.node_layout(comm)
         st = settings
-        out(f"# host_allreduce: ringcomm.all_reduce vs mpi4py Allreduce, {comm.size} ranks "
-            f"({nodes} node(s), {per_node} per node), float32 sum, transport {comm.transport_name(np.empty(1, dtype))}")
+        out(
+            f"# host_allreduce: ringcomm.all_reduce vs mpi4py Allreduce, {comm.size} ranks "
+            f"({nodes} node(s), {per_node} per node), float32 sum, transport {comm.transport_name(np.empty(1, dtype))}"
+        )
         out(f"# MPI library: {env.mpi_library()}; ringcomm {ringcomm.__version__}, numpy {np.__version__}")
         out(f"# Time: {st.describe()}; warm-up {st.warmup}, iterations {st.iters}")
         out("# ratio = MPI time / ringcomm time (> 1: ringcomm faster); #wrong = wrong elements summed over ranks")
-        keys, group = [("size(B)", 12), ("count", 11)], [("ringcomm(us)", 13), ("mpi(us)", 11), ("ratio", 7),
-                                                          ("#wrong(rc)", 11), ("#wrong(mpi)", 12)]
+        keys, group = (
+            [("size(B)", 12), ("count", 11)],
+            [("ringcomm(us)", 13), ("mpi(us)", 11), ("ratio", 7), ("#wrong(rc)", 11), ("#wrong(mpi)", 12)],
+        )
         group_w = sum(w + 1 for _, w in group)
         out("#" + " " * (sum(w + 1 for _, w in keys) - 1) + "".join(m.center(group_w) for m in MODES))
         out("#" + report.cells(keys + group * 2, [name for name, _ in keys + group * 2])[1:])
@@ -87,8 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells = [str(count * dtype.itemsize), str(count)]
             for mode in MODES:
                 a, b = rc_row.results[mode], mpi_row.results[mode]
-                cells += [f"{a.time_us:.1f}", f"{b.time_us:.1f}", f"{b.ratio:.2f}" if b.ratio else "N/A",
-                          "N/A" if a.wrong is None else str(a.wrong), "N/A" if b.wrong is None else str(b.wrong)]
+                cells += [
+                    f"{a.time_us:.1f}",
+                    f"{b.time_us:.1f}",
+                    f"{b.ratio:.2f}" if b.ratio else "N/A",
+                    "N/A" if a.wrong is None else str(a.wrong),
+                    "N/A" if b.wrong is None else str(b.wrong),
+                ]
             out(report.cells(keys + group * 2, cells))
             rows += [rc_row, mpi_row]
         wrong = total_wrong(rows)

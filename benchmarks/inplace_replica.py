@@ -86,8 +86,10 @@ def main() -> int:
     worst = [w.allreduce(float(t.sum()), op=MPI.MAX) for _, t in rows]
     if r == 0:
         how = "rewritten before every call" if refill else "reused: each call reduces the previous result"
-        print(f"# {nbytes} B of float32 in place, N = 2, the buffer {how}: us per call (rank 0's phases; "
-              "total: the slowest rank)")
+        print(
+            f"# {nbytes} B of float32 in place, N = 2, the buffer {how}: us per call (rank 0's phases; "
+            "total: the slowest rank)"
+        )
         print(f"{'variant':>8} {'exchange 1':>11} {'reduce':>8} {'exchange 2':>11} {'total':>8}")
         for (name, t), total in zip(rows, worst):
             print(f"{name:>8} {t[0]:11.1f} {t[1]:8.1f} {t[2]:11.1f} {total:8.1f}")

@@ -103,8 +103,11 @@ def run(sizes_mib: list[int], dtypes: list[str], iters: int) -> list[dict]:
             copy_kernel()
             ok = ok and bool((c == a).all())
             t = {
-                "reduce": _time(cp, reduce_out, iters), "reduce_inplace": _time(cp, reduce_inplace, iters),
-                "copy": _time(cp, copy_kernel, iters), "memcpy": _time(cp, memcpy, iters), "cupy_add": None,
+                "reduce": _time(cp, reduce_out, iters),
+                "reduce_inplace": _time(cp, reduce_inplace, iters),
+                "copy": _time(cp, copy_kernel, iters),
+                "memcpy": _time(cp, memcpy, iters),
+                "cupy_add": None,
             }
             try:
                 if dname == "bfloat16":  # only where this CuPy has bfloat16 arrays
@@ -112,11 +115,21 @@ def run(sizes_mib: list[int], dtypes: list[str], iters: int) -> list[dict]:
                 t["cupy_add"] = _time(cp, cupy_add, iters)
             except Exception as e:  # noqa: BLE001
                 print(f"# cupy.add on {dname} unavailable: {type(e).__name__}: {e}", flush=True)
-            gbs = {k: (None if v is None else (3 if k in ("reduce", "reduce_inplace", "cupy_add") else 2) * nbytes / v / 1e6)
-                   for k, v in t.items()}
+            gbs = {
+                k: (
+                    None
+                    if v is None
+                    else (3 if k in ("reduce", "reduce_inplace", "cupy_add") else 2) * nbytes / v / 1e6
+                )
+                for k, v in t.items()
+            }
             row = {
-                "size_mib": mib, "dtype": dname, "elements": n, "checked": ok,
-                "ms": t, "GBps": gbs,
+                "size_mib": mib,
+                "dtype": dname,
+                "elements": n,
+                "checked": ok,
+                "ms": t,
+                "GBps": gbs,
                 "reduce_vs_memcpy": gbs["reduce"] / gbs["memcpy"],
                 "reduce_inplace_vs_memcpy": gbs["reduce_inplace"] / gbs["memcpy"],
                 "copy_vs_memcpy": gbs["copy"] / gbs["memcpy"],
@@ -125,29 +138,37 @@ def run(sizes_mib: list[int], dtypes: list[str], iters: int) -> list[dict]:
             }
             rows.append(row)
             print(format_row(row), flush=True)
-            del a, b, c
+            a = b = c = None  # free this size's arrays before the next size's
             cp.get_default_memory_pool().free_all_blocks()
     return rows
 
 
-HEADER = (f"{'size':>8} {'dtype':>9} | {'reduce GB/s':>11} {'in-place':>9} {'copy':>8} {'memcpy':>8} {'cupy.add':>9} | "
-          f"{'red/memcpy':>10} {'copy/memcpy':>11} {'red vs add':>10} ok")
+HEADER = (
+    f"{'size':>8} {'dtype':>9} | {'reduce GB/s':>11} {'in-place':>9} {'copy':>8} {'memcpy':>8} {'cupy.add':>9} | "
+    f"{'red/memcpy':>10} {'copy/memcpy':>11} {'red vs add':>10} ok"
+)
 
 
 def format_row(r: dict) -> str:
     g = r["GBps"]
     add = f"{g['cupy_add']:9.0f}" if g["cupy_add"] else f"{'n/a':>9}"
     speed = f"{r['reduce_speedup_vs_cupy_add']:9.2f}x" if r["reduce_speedup_vs_cupy_add"] else f"{'n/a':>10}"
-    return (f"{r['size_mib']:>5}MiB {r['dtype']:>9} | {g['reduce']:11.0f} {g['reduce_inplace']:9.0f} {g['copy']:8.0f} "
-            f"{g['memcpy']:8.0f} {add} | {r['reduce_vs_memcpy']:10.3f} {r['copy_vs_memcpy']:11.3f} {speed} "
-            f"{'yes' if r['checked'] else 'NO'}")
+    return (
+        f"{r['size_mib']:>5}MiB {r['dtype']:>9} | {g['reduce']:11.0f} {g['reduce_inplace']:9.0f} {g['copy']:8.0f} "
+        f"{g['memcpy']:8.0f} {add} | {r['reduce_vs_memcpy']:10.3f} {r['copy_vs_memcpy']:11.3f} {speed} "
+        f"{'yes' if r['checked'] else 'NO'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 512, 1024])
-    p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
-                   choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float16", "bfloat16", "float32"],
+        choices=["float16", "bfloat16", "float32", "float64"],
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)

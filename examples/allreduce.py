@@ -11,7 +11,6 @@ import argparse
 import logging
 
 import numpy as np
-from mpi4py import MPI
 
 import ringcomm
 
@@ -47,8 +46,10 @@ def main() -> None:
     shard_ok = (shard.get() if a.gpu else shard).tobytes() == result[lo:hi].tobytes()
     total_wrong = comm.mpi.allreduce(wrong + (not shard_ok))
     if comm.rank == 0:
-        print(f"all_reduce of {a.count} {dtype} on {comm.size} ranks via {comm.transport_name(x)}: "
-              f"{'OK' if total_wrong == 0 else f'{total_wrong} WRONG'}")
+        print(
+            f"all_reduce of {a.count} {dtype} on {comm.size} ranks via {comm.transport_name(x)}: "
+            f"{'OK' if total_wrong == 0 else f'{total_wrong} WRONG'}"
+        )
     raise SystemExit(1 if total_wrong else 0)
 
 

@@ -39,14 +39,14 @@ def compute_dtype(dtype: Any) -> Any:
 
 
 def forward(xp: Any, layer: Any, nlayers: int, x: Any) -> list[Any]:
-    """Activations [x, a1, ..., out] (``xp``: numpy or cupy); ``layer(l)`` is a context manager
-    yielding (W, b) of layer l. Hidden layers use tanh; the last one is linear. Computed in x's
+    """Activations [x, a1, ..., out] (``xp``: numpy or cupy); ``layer(k)`` is a context manager
+    yielding (W, b) of layer k. Hidden layers use tanh; the last one is linear. Computed in x's
     dtype (float32 for half-precision parameters)."""
     acts = [x]
-    for l in range(nlayers):
-        with layer(l) as (w, b):
+    for k in range(nlayers):
+        with layer(k) as (w, b):
             z = acts[-1] @ w.astype(x.dtype) + b.astype(x.dtype)
-        acts.append(xp.tanh(z) if l < nlayers - 1 else z)
+        acts.append(xp.tanh(z) if k < nlayers - 1 else z)
     return acts
 
 
@@ -54,12 +54,12 @@ def backward(layer: Any, nlayers: int, acts: list[Any], dout: Any) -> list[Any]:
     """Gradients [dW1, db1, ...] of the loss whose gradient with respect to the output is ``dout``."""
     grads: list[Any] = [None] * (2 * nlayers)
     d = dout
-    for l in reversed(range(nlayers)):
-        grads[2 * l] = acts[l].T @ d
-        grads[2 * l + 1] = d.sum(axis=0)
-        if l > 0:
-            with layer(l) as (w, _):
-                d = (d @ w.astype(d.dtype).T) * (1.0 - acts[l] * acts[l])
+    for k in reversed(range(nlayers)):
+        grads[2 * k] = acts[k].T @ d
+        grads[2 * k + 1] = d.sum(axis=0)
+        if k > 0:
+            with layer(k) as (w, _):
+                d = (d @ w.astype(d.dtype).T) * (1.0 - acts[k] * acts[k])
     return grads
 
 
@@ -68,9 +68,9 @@ def batch(step: int, seed: int, n: int, din: int, teacher: list[np.ndarray]) -> 
     rng = np.random.default_rng([seed, step])
     x = rng.standard_normal((n, din))
     h = x
-    for l in range(0, len(teacher), 2):
-        h = h @ teacher[l] + teacher[l + 1]
-        if l < len(teacher) - 2:
+    for k in range(0, len(teacher), 2):
+        h = h @ teacher[k] + teacher[k + 1]
+        if k < len(teacher) - 2:
             h = np.tanh(h)
     return x, h
 
@@ -118,22 +118,29 @@ def main(argv: Sequence[str] | None = None, comm: ringcomm.Communicator | None =
 
     params = init_params(widths, np.float64, np.random.default_rng(a.seed))
     teacher = init_params(widths, np.float64, np.random.default_rng(a.seed + 1000))
-    for l in range(1, len(teacher), 2):
-        teacher[l][:] = 0.1
+    for k in range(1, len(teacher), 2):
+        teacher[k][:] = 0.1
     mgr = ZeroShardManager(
-        comm, [xp.asarray(p.astype(dtype)) for p in params], stage=a.stage, lr=a.lr, weight_decay=a.weight_decay,
-        max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None, loss_scale=loss_scale,
+        comm,
+        [xp.asarray(p.astype(dtype)) for p in params],
+        stage=a.stage,
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None,
+        loss_scale=loss_scale,
     )
     del params
 
-    def layer(l: int) -> Any:
-        return mgr.gathered([2 * l, 2 * l + 1])  # stage 3: gathers this layer only; else no-op
+    def layer(k: int) -> Any:
+        return mgr.gathered([2 * k, 2 * k + 1])  # stage 3: gathers this layer only; else no-op
 
     rows = [(r * a.batch // n, (r + 1) * a.batch // n) for r in range(n)]
     lo, hi = rows[rank]
     if rank == 0:
-        print(f"ZeRO stage {a.stage}, {n} ranks, {a.dtype} parameters ({mgr.layout.count} elements, padded "
-              f"{mgr.layout.padded}), {'GPU' if xp is not np else 'CPU'}, loss scale {loss_scale}")
+        print(
+            f"ZeRO stage {a.stage}, {n} ranks, {a.dtype} parameters ({mgr.layout.count} elements, padded "
+            f"{mgr.layout.padded}), {'GPU' if xp is not np else 'CPU'}, loss scale {loss_scale}"
+        )
     losses = []
     for t in range(a.steps):
         xg, yg = batch(t, a.seed, a.batch, widths[0], teacher)
@@ -161,12 +168,16 @@ def main(argv: Sequence[str] | None = None, comm: ringcomm.Communicator | None =
             print(f"  {k:<11} {v:>10,}")
         pb, kb = mgr.dtype.itemsize, 3 * mgr.master_dtype.itemsize  # bytes per parameter/gradient, K
         formula = estimate_memory(phi, n, a.stage, param_bytes=pb, grad_bytes=pb, k=kb)
-        print(f"  {'total':<11} {total:>10,}   (ZeRO formula for stage {a.stage}, P = G = {pb}, K = {kb}: {formula:,.0f})")
+        print(
+            f"  {'total':<11} {total:>10,}   (ZeRO formula for stage {a.stage}, P = G = {pb}, K = {kb}: {formula:,.0f})"
+        )
         k = 3 if a.stage == 3 else 2  # stage 3: all-gather for forward and backward + reduce-scatter
         ring = k * (n - 1) * phi * mgr.dtype.itemsize // n
-        print(f"communication in the last step: {mgr.comm_bytes:,} bytes sent by rank 0; the ring volume of "
-              f"{k}(N-1)/N·Φ elements is {ring:,} bytes (plus the loss and norm scalars; stage 3 here "
-              "gathers layer by layer, by broadcast from the owners)")
+        print(
+            f"communication in the last step: {mgr.comm_bytes:,} bytes sent by rank 0; the ring volume of "
+            f"{k}(N-1)/N·Φ elements is {ring:,} bytes (plus the loss and norm scalars; stage 3 here "
+            "gathers layer by layer, by broadcast from the owners)"
+        )
     return losses
 
 

@@ -6,9 +6,9 @@
 >>> comm.all_reduce(x)            # in place: x == comm.size everywhere
 """
 
+import importlib
 from typing import Any
 
-from . import schedule
 from .errors import AbortError, MismatchError, RingcommError, TimeoutError
 from .ops import SUPPORTED_DTYPES, ReduceOp, bfloat16
 
@@ -22,9 +22,23 @@ def __getattr__(name: str) -> Any:
         from . import communicator
 
         return getattr(communicator, name)
+    # imported on first use, so that `python -m ringcomm.schedule` runs a module not imported yet
+    # (runpy warns when the package has already imported the module it is asked to run)
+    if name == "schedule":
+        return importlib.import_module(".schedule", __name__)
     raise AttributeError(f"module 'ringcomm' has no attribute {name!r}")
 
+
 __all__ = [
-    "AbortError", "Communicator", "MismatchError", "ReduceOp", "RingcommError", "SUPPORTED_DTYPES", "TimeoutError",
-    "bfloat16", "init", "schedule", "__version__",
+    "AbortError",
+    "Communicator",
+    "MismatchError",
+    "ReduceOp",
+    "RingcommError",
+    "SUPPORTED_DTYPES",
+    "TimeoutError",
+    "bfloat16",
+    "init",
+    "schedule",
+    "__version__",
 ]

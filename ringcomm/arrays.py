@@ -108,9 +108,15 @@ class _DLTensor(ctypes.Structure):
     """dlpack.h's DLTensor, its DLDevice and DLDataType members spelled out in place."""
 
     _fields_ = [
-        ("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
         ("byte_offset", ctypes.c_uint64),
     ]
 
@@ -119,8 +125,11 @@ class _VersionedHead(ctypes.Structure):
     """The head of DLManagedTensorVersioned (DLPack >= 1.0); its DLTensor follows."""
 
     _fields_ = [
-        ("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
     ]
 
 
@@ -134,9 +143,11 @@ _NAME_V, _USED_V = b"dltensor_versioned", b"used_dltensor_versioned"
 # argtypes another module may set otherwise.
 _capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 _capsule_rename = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_SetName", ctypes.pythonapi))
+    ("PyCapsule_SetName", ctypes.pythonapi)
+)
 #: ``void deleter(DLManagedTensor*)``, called with the GIL held (as numpy and CuPy call it); one
 #: callable per deleter address (producers have one or two)
 _DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
@@ -212,8 +223,9 @@ def host_from_dlpack(x: Any, name: str = "x") -> np.ndarray:
             call = _deleters[deleter] = _DELETER(deleter)
     if _capsule_rename(capsule, used) != 0:  # from here on, the owner calls the deleter
         raise BufferError(f"{name}: could not mark the DLPack capsule as used")
-    owner = _Owner(ptr, call, {"version": 3, "shape": shape, "typestr": "<u2", "data": (data, readonly),
-                               "strides": strides})
+    owner = _Owner(
+        ptr, call, {"version": 3, "shape": shape, "typestr": "<u2", "data": (data, readonly), "strides": strides}
+    )
     return np.asarray(owner).view(bfloat16)  # the bits viewed in place; the array's base holds the owner
 
 

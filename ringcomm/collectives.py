@@ -122,8 +122,9 @@ def _lanes_open(comm: Any) -> bool:
     """Whether a fast lane may run a call now: a usable communicator without check=True, an
     accumulation override (RINGCOMM_ACCUMULATE) or the DEBUG log (the full path's agreement,
     dtype rule and log line)."""
-    return not (comm._aborted or comm.check or comm._late_error is not None or comm.accumulate_override
-                or _debug(DEBUG))
+    return not (
+        comm._aborted or comm.check or comm._late_error is not None or comm.accumulate_override or _debug(DEBUG)
+    )
 
 
 def _new_lane(comm: Any, plan: Any, collective: str, dtype: np.dtype, op: ReduceOp | None, root: int) -> tuple:
@@ -199,8 +200,9 @@ def all_reduce(
             comm._scratch_done((kind, "partial sums"), device)
     else:
         steps = schedule.all_reduce(n, r)
-        comm._run(ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src,
-                  result_chunks=range(n))
+        comm._run(
+            ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src, result_chunks=range(n)
+        )
     return x if out is None else out
 
 
@@ -220,8 +222,16 @@ def _through_host(comm: Any, ctx: Context, count: int, src: Any, at: int, result
     if _debug(DEBUG):
         logging.getLogger("ringcomm").debug(
             "%s: rank %d/%d: %d B of GPU memory through the host (copied out, the host's collective, copied back; "
-            "small_bytes %d)", ctx.collective, comm.rank, comm.size, stage.nbytes, comm.small_bytes)
-    device.to_host(stage[at:at + src.size], src, ctx, "this rank's GPU work before the call, and its copy to the host")
+            "small_bytes %d)",
+            ctx.collective,
+            comm.rank,
+            comm.size,
+            stage.nbytes,
+            comm.small_bytes,
+        )
+    device.to_host(
+        stage[at : at + src.size], src, ctx, "this rank's GPU work before the call, and its copy to the host"
+    )
     done = host_call(stage)
     if result is not None:
         device.from_host(result, done)
@@ -246,8 +256,13 @@ def reduce_scatter(
             ctx, run, lo, hi = lane
             result = np.empty(hi - lo, x.dtype) if out is None else _lane_out(comm, x, flags, out, hi - lo, apart=False)
             if result is not None:
-                into = result if out is None or not np.may_share_memory(result, x) or (
-                    comm.size == 2 and span(result)[0] == span(x)[0] + lo * x.itemsize) else np.empty(hi - lo, x.dtype)
+                into = (
+                    result
+                    if out is None
+                    or not np.may_share_memory(result, x)
+                    or (comm.size == 2 and span(result)[0] == span(x)[0] + lo * x.itemsize)
+                    else np.empty(hi - lo, x.dtype)
+                )
                 _run_lane(comm, ctx, run, into, x if x.ndim == 1 else x.reshape(-1))
                 if into is not result:
                     result[...] = into
@@ -264,18 +279,31 @@ def reduce_scatter(
     chunks = comm._in_ring(bounds)
     plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, chunks, -1)
     if comm._via_host(kind, src.nbytes):  # (into the stage's own shard: the host path allows it)
-        _through_host(comm, ctx, src.size, src, 0, result,
-                      lambda stage: reduce_scatter(comm, stage, op, out=stage[lo:hi], accumulate=accumulate))
+        _through_host(
+            comm,
+            ctx,
+            src.size,
+            src,
+            0,
+            result,
+            lambda stage: reduce_scatter(comm, stage, op, out=stage[lo:hi], accumulate=accumulate),
+        )
     elif plan is not None:  # the window folds this rank's chunk straight into the result, unless out aliases x
         # (but at 2 ranks out may be x's own shard: its fold is one op, whose last operand is that shard)
-        into = result if relation(result, src) == "apart" or comm.size == 2 and relation(result, src[lo:hi]) == "same" \
+        into = (
+            result
+            if relation(result, src) == "apart" or comm.size == 2 and relation(result, src[lo:hi]) == "same"
             else comm._scratch_array(kind, device, hi - lo, src.dtype)
+        )
         comm._launch(ctx, src.size, -1, False, plan.algorithm, comm._transport(kind), plan.steps, plan.run, into, src)
         if into is not result:
             device.copy(result, into)
             comm._scratch_done(kind, device)
         comm._lanes["reduce_scatter", src.size, src.dtype, op] = (
-            *_new_lane(comm, plan, "reduce_scatter", src.dtype, op, -1), lo, hi)
+            *_new_lane(comm, plan, "reduce_scatter", src.dtype, op, -1),
+            lo,
+            hi,
+        )
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype)
         comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position])
@@ -341,8 +369,12 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     steps = schedule.all_gather(n, comm.position)
     plan = comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
     if plan is not None and out is not None:  # (the bounds of out's count: those of later such calls)
-        comm._lanes["all_gather", work.size, src.dtype] = (*_new_lane(comm, plan, "all_gather", src.dtype, None, -1),
-                                                          lo, hi, _lane_address(plan, work))
+        comm._lanes["all_gather", work.size, src.dtype] = (
+            *_new_lane(comm, plan, "all_gather", src.dtype, None, -1),
+            lo,
+            hi,
+            _lane_address(plan, work),
+        )
     return out if out is not None else work
 
 
@@ -370,19 +402,28 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     ctx = Context("broadcast", comm, device, buf.dtype, None)
     if comm._via_host(kind, buf.nbytes):  # (the root copies out, the others back)
         mine = comm.rank == root
-        _through_host(comm, ctx, buf.size, buf if mine else buf[:0], 0, None if mine else buf,
-                      partial(broadcast, comm, root=root))
+        _through_host(
+            comm, ctx, buf.size, buf if mine else buf[:0], 0, None if mine else buf, partial(broadcast, comm, root=root)
+        )
         return x
     steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
     plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
     if plan is not None:  # cached: the next such call takes the lane
-        comm._lanes["broadcast", buf.size, buf.dtype, root] = (*_new_lane(comm, plan, "broadcast", buf.dtype, None, root),
-                                                              _lane_address(plan, buf))
+        comm._lanes["broadcast", buf.size, buf.dtype, root] = (
+            *_new_lane(comm, plan, "broadcast", buf.dtype, None, root),
+            _lane_address(plan, buf),
+        )
     return x
 
 
 def reduce(
-    comm: Any, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None, stream: Any = None,
+    comm: Any,
+    x: Any,
+    op: ReduceOp | str = "sum",
+    root: int = 0,
+    *,
+    out: Any = None,
+    stream: Any = None,
     accumulate: str | None = None,
 ) -> Any:
     """Reduce ``x`` onto ``root``: its result goes to ``out`` or in place in ``x`` and is returned.
@@ -424,8 +465,15 @@ def reduce(
     pieces = schedule.partition(src.size, nchunks)
     plan = None if wide else comm._window_plan(ctx, kind, src.size, steps, pieces, root)
     if comm._via_host(kind, src.nbytes):  # (the root's result copied back, in place or into out)
-        _through_host(comm, ctx, src.size, src, 0, ((src if rel == "same" else o) if is_root else None),
-                      partial(reduce, comm, op=op, root=root, accumulate=accumulate))
+        _through_host(
+            comm,
+            ctx,
+            src.size,
+            src,
+            0,
+            ((src if rel == "same" else o) if is_root else None),
+            partial(reduce, comm, op=op, root=root, accumulate=accumulate),
+        )
     elif plan is not None:  # the root folds the others' buffers and its own (last) straight into its result
         into, own = (None, src) if not is_root else (o, src) if rel == "apart" else (src, None)
         if own is None:  # in place: its own buffer is read after the result is first written: fold a copy
@@ -437,11 +485,11 @@ def reduce(
         comm._lanes["reduce", src.size, src.dtype, op, root] = _new_lane(comm, plan, "reduce", src.dtype, op, root)
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype) if not is_root else src if rel == "same" else o
-        comm._run(ctx, kind, src.size, steps, pieces, work, src, result_chunks=range(nchunks) if is_root else (),
-                  root=root)
+        comm._run(
+            ctx, kind, src.size, steps, pieces, work, src, result_chunks=range(nchunks) if is_root else (), root=root
+        )
         if not is_root:
             comm._scratch_done(kind, device)
     if not is_root:
         return None
     return x if out is None else out
-

@@ -11,10 +11,19 @@ import numpy as np
 from mpi4py import MPI
 
 from . import collectives, devices, schedule, tags, transports
-from .config import env, flag
 from .arrays import span
-from .engine import (Context, DirectPlan, GatherFold, Plan, SharedDirectPlan, SharedGatherFold, SharedPlacesPlan,
-                     execute, sent_bytes)
+from .config import env, flag
+from .engine import (
+    Context,
+    DirectPlan,
+    GatherFold,
+    Plan,
+    SharedDirectPlan,
+    SharedGatherFold,
+    SharedPlacesPlan,
+    execute,
+    sent_bytes,
+)
 from .errors import AbortError, MismatchError, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
@@ -51,9 +60,9 @@ PLAN_BYTES = 16 << 20
 #: host all-reduces (and broadcasts) on one node up to this size run through the shared-memory window
 #: in one piece (engine.SharedDirectPlan above small_bytes; larger all-reduces in pieces, see
 #: SHARED_PIECE_BYTES). Each rank's region of the window holds two slots of min(the largest
-#: small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct size: all ranks together at most SHARED_TOTAL_BYTES and a quarter of the free
-#: space of /dev/shm (which containers keep small, 64 MiB by default in Docker), the direct size
-#: shrunk (then dropped, then the slots too) to fit
+#: small_bytes, SHARED_SMALL_BYTES) and an inbox of the direct size: all ranks together at most
+#: SHARED_TOTAL_BYTES and a quarter of the free space of /dev/shm (which containers keep small, 64 MiB
+#: by default in Docker), the direct size shrunk (then dropped, then the slots too) to fit
 SHARED_BYTES = 4 << 20
 SHARED_SMALL_BYTES = 1 << 20
 SHARED_TOTAL_BYTES = 32 << 20
@@ -114,8 +123,14 @@ class Communicator:
     _id = 0  # (set during creation: see __init__)
 
     def __init__(
-        self, mpi_comm: MPI.Intracomm, *, timeout: float = DEFAULT_TIMEOUT, check: bool = False,
-        slice_bytes: int = DEFAULT_SLICE_BYTES, small_bytes: int = DEFAULT_SMALL_BYTES, shared_memory: bool = True,
+        self,
+        mpi_comm: MPI.Intracomm,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        check: bool = False,
+        slice_bytes: int = DEFAULT_SLICE_BYTES,
+        small_bytes: int = DEFAULT_SMALL_BYTES,
+        shared_memory: bool = True,
     ) -> None:
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator needs an mpi4py intracommunicator; got {mpi_comm!r}")
@@ -292,7 +307,7 @@ class Communicator:
         self._free_plans()
         self._free_gathers()
         # ipc-stream: calls return before their GPU work; mappings close only after it completed
-        drained = all([hs.drain(self) for hs in self._handshakes.values()])
+        drained = all([hs.drain(self) for hs in self._handshakes.values()])  # noqa: C419 - drain every one
         for kind, link in self._transports.items():
             if drained or kind == "host":
                 link.close()
@@ -330,8 +345,10 @@ class Communicator:
             abandon(None, window)
             return
         ctx = Context("close()", self, self._host, np.dtype(np.uint8), None)
-        for what in ("every rank's close() (they free shared memory together)",
-                     "every rank's second barrier of close() (before they free shared memory)"):
+        for what in (
+            "every rank's close() (they free shared memory together)",
+            "every rank's second barrier of close() (before they free shared memory)",
+        ):
             request = self.mpi.Ibarrier()
             try:
                 self._guarded(lambda request=request, what=what: wait([request], ctx, None, self.left, what))
@@ -377,8 +394,12 @@ class Communicator:
         small_bytes whose ring waits on the host anyway, no edge ipc-stream (whose calls only queue
         their steps on the GPU and return; as chosen at set-up, the same on every rank, where
         current() shows this rank's own fallbacks), on 2 or more ranks."""
-        return kind != "host" and 1 < self.size and nbytes <= self._gpu_small \
+        return (
+            kind != "host"
+            and 1 < self.size
+            and nbytes <= self._gpu_small
             and "ipc-stream" not in self._transport(kind).edges
+        )
 
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
@@ -403,7 +424,9 @@ class Communicator:
         if self._late_error is not None:
             self.check_errors()
         if self._aborted:
-            raise RingcommError(f"this communicator was aborted by an earlier error ({self._aborted}); create a new one")
+            raise RingcommError(
+                f"this communicator was aborted by an earlier error ({self._aborted}); create a new one"
+            )
 
     def _guarded(self, fn: Any) -> Any:
         """Run the exchange ``fn``; a timeout aborts the communicator (a message may still be pending).
@@ -490,7 +513,15 @@ class Communicator:
         """
         self._seq += 1
         mine = np.array(
-            [self._seq, _KINDS.index(kind), count, tags.dtype_code(ctx.dtype, ctx.wide), _OPS.index(ctx.op), root, extra],
+            [
+                self._seq,
+                _KINDS.index(kind),
+                count,
+                tags.dtype_code(ctx.dtype, ctx.wide),
+                _OPS.index(ctx.op),
+                root,
+                extra,
+            ],
             np.int64,
         )
         table = self._allgather_ints(ctx, mine, "argument agreement")
@@ -527,8 +558,17 @@ class Communicator:
         return table
 
     def _run(
-        self, ctx: Context, kind: str, count: int, steps: Any, bounds: Bounds, work: Any, src: Any, result_chunks: Any = (),
-        root: int = -1, agreed: bool = False,
+        self,
+        ctx: Context,
+        kind: str,
+        count: int,
+        steps: Any,
+        bounds: Bounds,
+        work: Any,
+        src: Any,
+        result_chunks: Any = (),
+        root: int = -1,
+        agreed: bool = False,
     ) -> Any:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
         Returns the cached plan that ran (the shared-memory window's, or a Plan or DirectPlan bound
@@ -550,20 +590,30 @@ class Communicator:
             self._launch(ctx, count, root, agreed, plan.algorithm, link, plan.steps, plan.run, work, src)
             return plan
         elif kind == "host" and work.nbytes <= PLAN_BYTES and self.size > 1:
-            direct = (ctx.collective in ("all_reduce", "reduce_scatter") and self.size > 2 and self.single_node
-                      and link.direct(ctx))
+            direct = (
+                ctx.collective in ("all_reduce", "reduce_scatter")
+                and self.size > 2
+                and self.single_node
+                and link.direct(ctx)
+            )
             at = span(work)[0]
             key = (ctx.collective, root, ctx.dtype, bounds, at, at if src is work else span(src)[0])
             plan = self._plans.get(key)
             if plan is None:
-                made = DirectPlan(ctx, bounds, work, src, link) if direct else Plan(
-                    ctx, steps, bounds, work, src, link, result_chunks)
+                made = (
+                    DirectPlan(ctx, bounds, work, src, link)
+                    if direct
+                    else Plan(ctx, steps, bounds, work, src, link, result_chunks)
+                )
                 plan = self._cache(key, made)
-            algorithm, nsteps = ("direct", 2 if ctx.collective == "all_reduce" else 1) if direct else ("ring", len(steps))
+            algorithm, nsteps = (
+                ("direct", 2 if ctx.collective == "all_reduce" else 1) if direct else ("ring", len(steps))
+            )
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
-        self._launch(ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link,
-                     result_chunks)
+        self._launch(
+            ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link, result_chunks
+        )
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
         return None
@@ -599,8 +649,8 @@ class Communicator:
         or more ranks up to its inbox (engine.SharedPlacesPlan); at 2 ranks an all-gather and a
         broadcast at most SHARED_PAIR_LIMITS; ``math.inf``: no limit. (Measured on 2 cores against
         the ring at N = 2 from 128 KiB to 2 MiB: reduce-scatters 1.3-2.1x MPICH against 0.85-1.1x,
-        and at 4 MiB 1.20/0.95 against 0.85/0.79 (out / in place); a broadcast against the chain at N = 4, 1.5-3x faster from
-        128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce against the chain: 2-3x
+        and at 4 MiB 1.20/0.95 against 0.85/0.79 (out / in place); a broadcast against the chain at N = 4,
+        1.5-3x faster from 128 KiB to 2 MiB, the N - 1 copies out side by side; a reduce against the chain: 2-3x
         faster up to 32 KiB at N = 2 and 4, 1.3-2x from 32 KiB to 2 MiB at N = 2 and 3, at N = 4
         from 32 KiB to 2 MiB, and even at 4 MiB, where the root's fold of four buffers on one core
         meets the chain's folds spread over the ranks, as at N = 2.)"""
@@ -646,13 +696,21 @@ class Communicator:
             else:
                 reused = devices.Reused()
                 blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
-                gather = Plan(ctx, schedule.all_gather(n, self.position), schedule.blocks(count, n), blocks, blocks,
-                              self._transport(kind), own=True)
+                gather = Plan(
+                    ctx,
+                    schedule.all_gather(n, self.position),
+                    schedule.blocks(count, n),
+                    blocks,
+                    blocks,
+                    self._transport(kind),
+                    own=True,
+                )
                 by_place = [blocks[p * count : (p + 1) * count] for p in range(n)]
                 sides = [(by_place[self.position], by_place)]
                 algorithm = "gather-fold"
-            small = made(gather, sides, self._in_ring(schedule.partition(count, n)), n, reused, algorithm,
-                         self._transport(kind))
+            small = made(
+                gather, sides, self._in_ring(schedule.partition(count, n)), n, reused, algorithm, self._transport(kind)
+            )
             self._gathers[key] = small
         return small
 
@@ -677,7 +735,15 @@ class Communicator:
         self._gathers.clear()
 
     def _launch(
-        self, ctx: Context, count: int, root: int, agreed: bool, algorithm: str, link: Any, nsteps: int, run: Any,
+        self,
+        ctx: Context,
+        count: int,
+        root: int,
+        agreed: bool,
+        algorithm: str,
+        link: Any,
+        nsteps: int,
+        run: Any,
         *args: Any,
     ) -> None:
         """The agreement check (if enabled and not ``agreed`` already), the call's identity (its
@@ -689,8 +755,18 @@ class Communicator:
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: rank %d/%d call %d count=%d dtype=%s op=%s algorithm=%s transport=%s device=%s steps=%d ring=%s",
-                ctx.collective, self.rank, self.size, ctx.call, count, ctx.dtype, ctx.op, algorithm, link.name,
-                ctx.device.name, nsteps, link.describe(),
+                ctx.collective,
+                self.rank,
+                self.size,
+                ctx.call,
+                count,
+                ctx.dtype,
+                ctx.op,
+                algorithm,
+                link.name,
+                ctx.device.name,
+                nsteps,
+                link.describe(),
             )
         self._execute(ctx, run, *args)
 

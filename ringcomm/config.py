@@ -11,7 +11,7 @@ from typing import Any
 
 
 def flag(raw: str) -> bool:
-    """"1/true/yes/on" or "0/false/no/off" (any case) as a bool; ValueError otherwise."""
+    """ "1/true/yes/on" or "0/false/no/off" (any case) as a bool; ValueError otherwise."""
     word = raw.strip().lower()
     if word in ("1", "true", "yes", "on"):
         return True

@@ -218,7 +218,9 @@ class _Prepared:
 
     @staticmethod
     def _tag(ctx: Context) -> int:
-        return ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+        return (
+            ctx.comm._layout.base(ctx.collective, ctx.dtype, ctx.op, ctx.root, ctx.call % PLAN_CALLS, ctx.wide) | PLAN
+        )
 
     def _failed(self, work: Any, src: Any) -> None:
         """After an error in a run: requests may still be active (a send a late peer may match,
@@ -259,8 +261,17 @@ class Plan(_Prepared):
     its neighbours' messages. ``nbytes``: the memory the plan owns (its scratch).
     """
 
-    def __init__(self, ctx: Context, steps: Sequence[Step], bounds: Bounds, work: Any, src: Any, link: Any,
-                 result_chunks: Iterable[int] = (), own: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        steps: Sequence[Step],
+        bounds: Bounds,
+        work: Any,
+        src: Any,
+        link: Any,
+        result_chunks: Iterable[int] = (),
+        own: bool = False,
+    ) -> None:
         self.steps, self.bounds, self.link, self.result_chunks = steps, bounds, link, tuple(result_chunks)
         #: ``own``: work and src are the plan's own buffers, which run() uses when given none
         self._own = (work, src) if own else None
@@ -270,11 +281,16 @@ class Plan(_Prepared):
         self.sent = sent_bytes(steps, bounds, itemsize)
         #: per step: the slice of its incoming chunk, the buffer it reduces with (None: a copy step)
         self._actions = tuple(
-            (None if st.recv is None else slice(*bounds[st.recv]), local_from if st.reduce and st.recv is not None else None)
+            (
+                None if st.recv is None else slice(*bounds[st.recv]),
+                local_from if st.reduce and st.recv is not None else None,
+            )
             for st, (_, _, local_from) in zip(steps, bound)
         )
         self._copies = tuple(slice(*bounds[c]) for c in self.result_chunks if not written[c])
-        chunk = max((bounds[st.recv][1] - bounds[st.recv][0] for st in steps if st.reduce and st.recv is not None), default=0)
+        chunk = max(
+            (bounds[st.recv][1] - bounds[st.recv][0] for st in steps if st.reduce and st.recv is not None), default=0
+        )
         self._scratch = ctx.device.empty(chunk, ctx.dtype)
         self.nbytes = chunk * itemsize
         self._preparable = True  # until the link cannot prepare a step
@@ -385,11 +401,23 @@ class DirectPlan(_Prepared):
         comm, p, bounds, tag = self.comm, self.p, self.bounds, self._tag(ctx)
         others = [(q, comm.ring[q]) for q in range(self.n) if q != p]
         inc = self._incoming
-        rounds = [self.link.exchange(ctx, [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
-                                     [(rank, src[slice(*bounds[q])]) for q, rank in others], tag)]
+        rounds = [
+            self.link.exchange(
+                ctx,
+                [(rank, inc[k]) for k, (_, rank) in enumerate(others)],
+                [(rank, src[slice(*bounds[q])]) for q, rank in others],
+                tag,
+            )
+        ]
         if self.gathers:
-            rounds.append(self.link.exchange(ctx, [(rank, work[slice(*bounds[q])]) for q, rank in others],
-                                             [(rank, work[self._mine]) for _, rank in others], tag))
+            rounds.append(
+                self.link.exchange(
+                    ctx,
+                    [(rank, work[slice(*bounds[q])]) for q, rank in others],
+                    [(rank, work[self._mine]) for _, rank in others],
+                    tag,
+                )
+            )
         return self._put(ctx, rounds)
 
 
@@ -444,8 +472,11 @@ class SharedDirectPlan:
         for runs in shared.runs:
             a, b, at = runs[p]
             others = [shared.inboxes[ring[q]][at : at + b - a] for q in order] if b > a else []
-            ins = [(slice(lo, hi), shared.mine[where : where + hi - lo]) for q, (lo, hi, where) in enumerate(runs)
-                   if q != p and hi > lo]
+            ins = [
+                (slice(lo, hi), shared.mine[where : where + hi - lo])
+                for q, (lo, hi, where) in enumerate(runs)
+                if q != p and hi > lo
+            ]
             self._pieces.append((slice(a, b), others, ins))  # (its own run: used only when it is not empty)
         self.sent = _direct_sent(bounds, p, n, ctx.dtype.itemsize, True)
 
@@ -491,9 +522,12 @@ class SharedPlacesPlan:
 
     nbytes, by_address = 0, False
     #: (what a rank publishes first, what second), for errors, by collective
-    _WHAT = {"broadcast": ("part of the broadcast", "copy of the broadcast"),
-             "all_gather": ("shard", "copy of the shards"),
-             "reduce_scatter": ("whole buffer", "fold of its chunk"), "reduce": ("whole buffer", "fold of the buffers")}
+    _WHAT = {
+        "broadcast": ("part of the broadcast", "copy of the broadcast"),
+        "all_gather": ("shard", "copy of the shards"),
+        "reduce_scatter": ("whole buffer", "fold of its chunk"),
+        "reduce": ("whole buffer", "fold of the buffers"),
+    }
 
     def __init__(self, ctx: Context, bounds: Bounds, shared: Any, root: int, sent: int) -> None:
         comm = ctx.comm
@@ -517,7 +551,9 @@ class SharedPlacesPlan:
             writes, reads = [(at, me) for q, at in chunks if q != p], []
         # the ranks whose copies of what this rank folds fold before its own, in the ring's (chain's) order
         folds = [ring[q] for q in fold_order(n, p)[:-1]] if folding and mine.stop > mine.start else None
-        self.algorithm = "fold (shared memory)" if ctx.collective in ("reduce_scatter", "reduce") else "copy (shared memory)"
+        self.algorithm = (
+            "fold (shared memory)" if ctx.collective in ("reduce_scatter", "reduce") else "copy (shared memory)"
+        )
         shard = ctx.collective == "all_gather"
 
         def where(places: Any, at: slice, r: int) -> Any:  # where chunk ``at`` of rank r's part lies in its place
@@ -525,8 +561,11 @@ class SharedPlacesPlan:
 
         #: by side of the window: (copies in, copies out, None or the others' copies of this rank's chunk)
         self._sides = [
-            ([(at, where(places, at, r)) for at, r in writes], [(at, where(places, at, r)) for at, r in reads],
-             None if folds is None else [places[r][mine] for r in folds])
+            (
+                [(at, where(places, at, r)) for at, r in writes],
+                [(at, where(places, at, r)) for at, r in reads],
+                None if folds is None else [places[r][mine] for r in folds],
+            )
             for places in shared.sides
         ]
         self._mine = mine
@@ -564,8 +603,16 @@ class GatherFold:
     ``link`` (the kind's transports.Link): what the DEBUG log names.
     """
 
-    def __init__(self, gather: Any, sides: Sequence[tuple[Any, Sequence[Any]]], bounds: Bounds, n: int,
-                 reused: Any, algorithm: str, link: Any) -> None:
+    def __init__(
+        self,
+        gather: Any,
+        sides: Sequence[tuple[Any, Sequence[Any]]],
+        bounds: Bounds,
+        n: int,
+        reused: Any,
+        algorithm: str,
+        link: Any,
+    ) -> None:
         self.gather, self.reused, self.algorithm, self.link = gather, reused, algorithm, link
         self._sides = [(mine, Fold(by_place, bounds, n)) for mine, by_place in sides]
         self._n = n

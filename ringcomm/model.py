@@ -127,8 +127,9 @@ class Topology:
         intra = Link(self.intra.bandwidth / c, self.intra.latency)
         inter = Link(self.inter.bandwidth * min(1.0, nics / c), self.inter.latency)
         cross = self.nodes > 1
-        return [("inter", inter) if cross and r % self.gpus_per_node == 0 else ("intra", intra)
-                for r in range(self.ranks)]
+        return [
+            ("inter", inter) if cross and r % self.gpus_per_node == 0 else ("intra", intra) for r in range(self.ranks)
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +152,15 @@ def host_topology(ranks: int, alpha: float, beta: float, cores: int = 0) -> Topo
     """The host path on one machine: ``ranks`` processes, per-step overhead ``alpha`` (s), memory
     bandwidth ``beta`` (bytes read + written per second per rank); an MPI message costs 4 bytes of
     traffic per byte, a reduction 3."""
-    return Topology(nodes=1, gpus_per_node=ranks, intra=Link(beta / MPI_TRAFFIC), overhead=alpha, mem_bw=beta,
-                    overlap=False, cores=cores)
+    return Topology(
+        nodes=1,
+        gpus_per_node=ranks,
+        intra=Link(beta / MPI_TRAFFIC),
+        overhead=alpha,
+        mem_bw=beta,
+        overlap=False,
+        cores=cores,
+    )
 
 
 def _step_times(topo: Topology, chunk: float, reduce: bool) -> tuple[np.ndarray, list[str]]:
@@ -211,11 +219,21 @@ def predict(collective: str, size: int, topo: Topology, root: int = 0) -> Predic
             total += float(per_pos[k])
             spent[pos_kind[k]] = spent.get(pos_kind[k], 0.0) + float(per_pos[k])
     algbw = size / total if total > 0 else math.inf
-    return Prediction(collective, size, n, topo.channels, steps, total, algbw, algbw * bus_factor(collective, n),
-                      max(spent, key=spent.get) if spent else "-")
+    return Prediction(
+        collective,
+        size,
+        n,
+        topo.channels,
+        steps,
+        total,
+        algbw,
+        algbw * bus_factor(collective, n),
+        max(spent, key=spent.get) if spent else "-",
+    )
 
 
 # ------------------------------------------------------------------------------------------- fitting
+
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
@@ -245,8 +263,10 @@ def load_measurements(paths: Iterable[str], modes: Sequence[str] = MODES, impl: 
             doc = json.load(f)
         env = doc.get("environment", {})
         if env.get("nodes", 1) != 1 or env.get("device", "host") != "host":
-            raise ValueError(f"{path}: the fit models the host path on one node; this run is "
-                             f"{env.get('nodes')} node(s), device {env.get('device')}")
+            raise ValueError(
+                f"{path}: the fit models the host path on one node; this run is "
+                f"{env.get('nodes')} node(s), device {env.get('device')}"
+            )
         ranks = int(env["ranks"])
         for row in doc["rows"]:
             if row["impl"] != impl or row["size"] <= 0:
@@ -287,14 +307,17 @@ def fit(measurements: Sequence[Measurement], cores: int = 0) -> Fit:
     ones = np.ones(len(t))
     x, *_ = np.linalg.lstsq(a, ones, rcond=None)
     if x[0] < 0 or x[1] < 0:  # the best with one parameter at its bound
-        cands = [np.array([ones @ a[:, 0] / (a[:, 0] @ a[:, 0]), 0.0]),
-                 np.array([0.0, ones @ a[:, 1] / (a[:, 1] @ a[:, 1])])]
+        cands = [
+            np.array([ones @ a[:, 0] / (a[:, 0] @ a[:, 0]), 0.0]),
+            np.array([0.0, ones @ a[:, 1] / (a[:, 1] @ a[:, 1])]),
+        ]
         x = min(cands, key=lambda v: float(np.sum((a @ v - 1) ** 2)))
     rms = float(np.sqrt(np.mean((a @ x - 1) ** 2)))
     return Fit(float(x[0]), 1.0 / x[1] if x[1] > 0 else math.inf, cores, rms)
 
 
 # ----------------------------------------------------------------------------- H200 and published NCCL
+
 
 @dataclasses.dataclass(frozen=True)
 class Published:
@@ -312,40 +335,88 @@ class Published:
 #: NCCL all-reduce busbw figures found in public sources (none made up; where the exact configuration
 #: was not found the table says so). "NVIDIA" marks statements by NCCL's maintainers.
 PUBLISHED: tuple[Published, ...] = (
-    Published("1x8", "~370", "ring (NCCL_ALGO=RING; also the busbw of non-allreduce collectives)",
-              "8x H100 SXM, NVLink 4 (450 GB/s line rate per direction, ~20% protocol overhead)",
-              "NVIDIA (S. Jeaugey), 2024-05-06", "H100 all reduce performance is poor (NVIDIA/nccl-tests#212)",
-              "https://github.com/NVIDIA/nccl-tests/issues/212"),
-    Published("1x8", "~480", "NVLS (NVLink SHARP, the default for all_reduce), sizes > 256 MiB",
-              "8x H100 SXM", "NVIDIA (S. Jeaugey), 2024-05-06",
-              "H100 all reduce performance is poor (NVIDIA/nccl-tests#212)",
-              "https://github.com/NVIDIA/nccl-tests/issues/212"),
-    Published("1x8", "370 (NVLS off) / 480 (NVLS on)", "ring vs NVLS", "8x H100, NCCL 2.30.4", "user report, 2026",
-              "NVLS: Bandwidth utilization appears to drop vs theoretical NVLink bandwidth (NVIDIA/nccl#2140)",
-              "https://github.com/NVIDIA/nccl/issues/2140"),
-    Published("1x8", "475 (peak)", "default (NVLS on this system), 64 KiB..4 GiB sweep",
-              "8x H200, NVLink 4, NCCL 2.20.3", "user report, 2024-11-27",
-              "[H200] NCCL's All-reduce Performance Exceed 4th Gen NVLINK Spec. (NVIDIA/nccl-tests#272)",
-              "https://github.com/NVIDIA/nccl-tests/issues/272"),
-    Published("2x8", "46-48 per 400G NIC (x8 NICs: 368-384)", "ring (NCCL_ALGO=RING advised for 2 nodes)",
-              "H100 nodes, NDR 400 Gb/s InfiniBand, ConnectX-7", "NVIDIA (D. Addison), 2025-03-03",
-              "Single-node and multi-node performance of H100 nodes (NVIDIA/nccl-tests#290)",
-              "https://github.com/NVIDIA/nccl-tests/issues/290"),
-    Published("2x8", "330 (NVLS off) / 430 (NVLS on); 320 on 4 nodes", "ring/tree vs NVLSTree, 4-8 GiB",
-              "8x H100 + 8x 400G RoCE per node, NCCL 2.19.3", "user report, 2024-03-13",
-              "NVLS don not work in systems with more than four nodes (NVIDIA/nccl#1221)",
-              "https://github.com/NVIDIA/nccl/issues/1221"),
-    Published("2x8", "470; 365.84 on 4 nodes", "default (NVLSTree on 2 nodes)", "HGX H100, 8 GPU-NIC pairs per node",
-              "user report, 2025", "Acceptable performance of nccl-test on 2 HGX hosts? (NVIDIA/nccl-tests#309)",
-              "https://github.com/NVIDIA/nccl-tests/issues/309"),
+    Published(
+        "1x8",
+        "~370",
+        "ring (NCCL_ALGO=RING; also the busbw of non-allreduce collectives)",
+        "8x H100 SXM, NVLink 4 (450 GB/s line rate per direction, ~20% protocol overhead)",
+        "NVIDIA (S. Jeaugey), 2024-05-06",
+        "H100 all reduce performance is poor (NVIDIA/nccl-tests#212)",
+        "https://github.com/NVIDIA/nccl-tests/issues/212",
+    ),
+    Published(
+        "1x8",
+        "~480",
+        "NVLS (NVLink SHARP, the default for all_reduce), sizes > 256 MiB",
+        "8x H100 SXM",
+        "NVIDIA (S. Jeaugey), 2024-05-06",
+        "H100 all reduce performance is poor (NVIDIA/nccl-tests#212)",
+        "https://github.com/NVIDIA/nccl-tests/issues/212",
+    ),
+    Published(
+        "1x8",
+        "370 (NVLS off) / 480 (NVLS on)",
+        "ring vs NVLS",
+        "8x H100, NCCL 2.30.4",
+        "user report, 2026",
+        "NVLS: Bandwidth utilization appears to drop vs theoretical NVLink bandwidth (NVIDIA/nccl#2140)",
+        "https://github.com/NVIDIA/nccl/issues/2140",
+    ),
+    Published(
+        "1x8",
+        "475 (peak)",
+        "default (NVLS on this system), 64 KiB..4 GiB sweep",
+        "8x H200, NVLink 4, NCCL 2.20.3",
+        "user report, 2024-11-27",
+        "[H200] NCCL's All-reduce Performance Exceed 4th Gen NVLINK Spec. (NVIDIA/nccl-tests#272)",
+        "https://github.com/NVIDIA/nccl-tests/issues/272",
+    ),
+    Published(
+        "2x8",
+        "46-48 per 400G NIC (x8 NICs: 368-384)",
+        "ring (NCCL_ALGO=RING advised for 2 nodes)",
+        "H100 nodes, NDR 400 Gb/s InfiniBand, ConnectX-7",
+        "NVIDIA (D. Addison), 2025-03-03",
+        "Single-node and multi-node performance of H100 nodes (NVIDIA/nccl-tests#290)",
+        "https://github.com/NVIDIA/nccl-tests/issues/290",
+    ),
+    Published(
+        "2x8",
+        "330 (NVLS off) / 430 (NVLS on); 320 on 4 nodes",
+        "ring/tree vs NVLSTree, 4-8 GiB",
+        "8x H100 + 8x 400G RoCE per node, NCCL 2.19.3",
+        "user report, 2024-03-13",
+        "NVLS don not work in systems with more than four nodes (NVIDIA/nccl#1221)",
+        "https://github.com/NVIDIA/nccl/issues/1221",
+    ),
+    Published(
+        "2x8",
+        "470; 365.84 on 4 nodes",
+        "default (NVLSTree on 2 nodes)",
+        "HGX H100, 8 GPU-NIC pairs per node",
+        "user report, 2025",
+        "Acceptable performance of nccl-test on 2 HGX hosts? (NVIDIA/nccl-tests#309)",
+        "https://github.com/NVIDIA/nccl-tests/issues/309",
+    ),
     Published("16x8", "no published figure found for 16 nodes", "-", "-", "-", "-", "-"),
-    Published("16x8", "~380 (multi-node, node count not stated)", "without SHARP (GTC 2024 NCCL talk slide)",
-              "H100, 8x 400G per node", "slide quoted in a question; NVIDIA (S. Jeaugey): rings degrade at scale",
-              "Where does the superiority of the NVLS + Tree algorithm lie ...? (NVIDIA/nccl#1649)",
-              "https://github.com/NVIDIA/nccl/issues/1649"),
-    Published("16x8", "~350, at times < 300 (512 MiB)", "default", "248 nodes x 8 H200, 8x 400G per node",
-              "user report, 2025-01-18", "NCCL Test Multi-node Bus Bandwidth Tuning issue (NVIDIA/nccl-tests#283)",
-              "https://github.com/NVIDIA/nccl-tests/issues/283"),
+    Published(
+        "16x8",
+        "~380 (multi-node, node count not stated)",
+        "without SHARP (GTC 2024 NCCL talk slide)",
+        "H100, 8x 400G per node",
+        "slide quoted in a question; NVIDIA (S. Jeaugey): rings degrade at scale",
+        "Where does the superiority of the NVLS + Tree algorithm lie ...? (NVIDIA/nccl#1649)",
+        "https://github.com/NVIDIA/nccl/issues/1649",
+    ),
+    Published(
+        "16x8",
+        "~350, at times < 300 (512 MiB)",
+        "default",
+        "248 nodes x 8 H200, 8x 400G per node",
+        "user report, 2025-01-18",
+        "NCCL Test Multi-node Bus Bandwidth Tuning issue (NVIDIA/nccl-tests#283)",
+        "https://github.com/NVIDIA/nccl-tests/issues/283",
+    ),
 )
 
 #: H200 (HGX/DGX H200): NVLink 4, 18 links, 900 GB/s bidirectional = 450 GB/s per direction per GPU;
@@ -358,8 +429,16 @@ H200_SYSTEMS = ((1, 8), (2, 8), (16, 8))
 
 def h200_topology(nodes: int, overhead: float, channels: int = 1) -> Topology:
     """``nodes`` x 8 H200 with ringcomm's per-step ``overhead`` (s) and ``channels`` rings."""
-    return Topology(nodes=nodes, gpus_per_node=8, intra=H200_INTRA, inter=H200_INTER, overhead=overhead,
-                    mem_bw=H200_MEM_BW, overlap=True, channels=channels)
+    return Topology(
+        nodes=nodes,
+        gpus_per_node=8,
+        intra=H200_INTRA,
+        inter=H200_INTER,
+        overhead=overhead,
+        mem_bw=H200_MEM_BW,
+        overlap=True,
+        channels=channels,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -378,8 +457,15 @@ def one_gpu_topology(ranks: int, transport: str, hbm: float = H200_MEM_BW) -> To
     """``ranks`` processes on one GPU: their kernels take turns (time-sliced contexts, or MPS), so
     each rank's steps get 1/ranks of the memory bandwidth; a copy step reads and writes its chunk,
     a reduce step reads two and writes one (overlapped, on the GPU). NCCL has no gather-fold path."""
-    return Topology(nodes=1, gpus_per_node=ranks, intra=Link(hbm / (2 * ranks)), overhead=ONE_GPU_OVERHEAD[transport],
-                    mem_bw=hbm / ranks, overlap=True, small_bytes=0 if transport == "nccl" else SMALL_BYTES)
+    return Topology(
+        nodes=1,
+        gpus_per_node=ranks,
+        intra=Link(hbm / (2 * ranks)),
+        overhead=ONE_GPU_OVERHEAD[transport],
+        mem_bw=hbm / ranks,
+        overlap=True,
+        small_bytes=0 if transport == "nccl" else SMALL_BYTES,
+    )
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -401,19 +487,57 @@ def _sizes(text: str) -> list[int]:
 
 
 def _cmd_predict(args: argparse.Namespace) -> str:
-    topo = Topology(nodes=args.nodes, gpus_per_node=args.gpus_per_node, intra=Link(args.intra_bw, args.intra_lat),
-                    inter=Link(args.inter_bw, args.inter_lat), overhead=args.overhead, mem_bw=args.mem_bw,
-                    overlap=args.overlap, channels=args.channels, nics_per_node=args.nics_per_node, cores=args.cores)
+    topo = Topology(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        intra=Link(args.intra_bw, args.intra_lat),
+        inter=Link(args.inter_bw, args.inter_lat),
+        overhead=args.overhead,
+        mem_bw=args.mem_bw,
+        overlap=args.overlap,
+        channels=args.channels,
+        nics_per_node=args.nics_per_node,
+        cores=args.cores,
+    )
     rows = []
     for size in _sizes(args.size):
         p = predict(args.collective, size, topo, args.root)
-        rows.append([p.collective, format_size(size), str(p.ranks), str(p.channels), str(p.steps), _us(p.time),
-                     _gbs(p.algbw), _gbs(p.busbw), p.slowest])
-    head = (f"{args.nodes} node(s) x {args.gpus_per_node}, intra {args.intra_bw / GB:g} GB/s + {args.intra_lat:g} s, "
-            f"inter {args.inter_bw / GB:g} GB/s + {args.inter_lat:g} s, overhead {args.overhead:g} s/step, "
-            f"{args.channels} ring(s)")
-    return head + "\n\n" + _table(["collective", "size", "ranks", "rings", "steps", "time (us)", "algbw (GB/s)",
-                                   "busbw (GB/s)", "slowest edge"], rows)
+        rows.append(
+            [
+                p.collective,
+                format_size(size),
+                str(p.ranks),
+                str(p.channels),
+                str(p.steps),
+                _us(p.time),
+                _gbs(p.algbw),
+                _gbs(p.busbw),
+                p.slowest,
+            ]
+        )
+    head = (
+        f"{args.nodes} node(s) x {args.gpus_per_node}, intra {args.intra_bw / GB:g} GB/s + {args.intra_lat:g} s, "
+        f"inter {args.inter_bw / GB:g} GB/s + {args.inter_lat:g} s, overhead {args.overhead:g} s/step, "
+        f"{args.channels} ring(s)"
+    )
+    return (
+        head
+        + "\n\n"
+        + _table(
+            [
+                "collective",
+                "size",
+                "ranks",
+                "rings",
+                "steps",
+                "time (us)",
+                "algbw (GB/s)",
+                "busbw (GB/s)",
+                "slowest edge",
+            ],
+            rows,
+        )
+    )
 
 
 def _cmd_fit(args: argparse.Namespace) -> str:
@@ -425,19 +549,37 @@ def _cmd_fit(args: argparse.Namespace) -> str:
     ratios: dict[int, list[float]] = {}
     for m in sorted(ms, key=lambda m: (m.collective, m.ranks, m.size, m.mode)):
         p = predict(m.collective, m.size, host_topology(m.ranks, f.alpha, f.beta, args.cores))
-        rows.append([m.collective, format_size(m.size), str(m.ranks), m.mode, _gbs(m.busbw), _gbs(p.busbw),
-                     f"{p.busbw / m.busbw:.2f}"])
+        rows.append(
+            [
+                m.collective,
+                format_size(m.size),
+                str(m.ranks),
+                m.mode,
+                _gbs(m.busbw),
+                _gbs(p.busbw),
+                f"{p.busbw / m.busbw:.2f}",
+            ]
+        )
         ratios.setdefault(m.ranks, []).append(p.busbw / m.busbw)
-    per_n = ", ".join(f"N={n}: {min(r):.2f}..{max(r):.2f} (geomean {math.exp(np.mean(np.log(r))):.2f})"
-                      for n, r in sorted(ratios.items()))
-    head = [(f"alpha = {f.alpha * 1e6:.2f} us per step, beta = {f.beta / GB:.2f} GB/s of memory traffic per rank "
+    per_n = ", ".join(
+        f"N={n}: {min(r):.2f}..{max(r):.2f} (geomean {math.exp(np.mean(np.log(r))):.2f})"
+        for n, r in sorted(ratios.items())
+    )
+    head = [
+        (
+            f"alpha = {f.alpha * 1e6:.2f} us per step, beta = {f.beta / GB:.2f} GB/s of memory traffic per rank "
             f"(an MPI message costs {MPI_TRAFFIC} bytes of it per byte, a reduction {REDUCE_TRAFFIC} more); "
             f"cores = {args.cores or 'not limiting'}; rms relative time error {f.rms:.2f}; fitted to {len(fitted)} "
-            f"rows from {len(args.files)} file(s)" + (f", {len(args.compare)} more file(s) compared" if args.compare
-                                                       else "")),
-            f"predicted/measured busbw: {per_n}", ""]
-    return "\n".join(head) + _table(["collective", "size", "N", "mode", "measured busbw (GB/s)",
-                                     "predicted busbw (GB/s)", "ratio (pred/meas)"], rows)
+            f"rows from {len(args.files)} file(s)"
+            + (f", {len(args.compare)} more file(s) compared" if args.compare else "")
+        ),
+        f"predicted/measured busbw: {per_n}",
+        "",
+    ]
+    return "\n".join(head) + _table(
+        ["collective", "size", "N", "mode", "measured busbw (GB/s)", "predicted busbw (GB/s)", "ratio (pred/meas)"],
+        rows,
+    )
 
 
 def _cmd_h200(args: argparse.Namespace) -> str:
@@ -447,8 +589,9 @@ def _cmd_h200(args: argparse.Namespace) -> str:
         one, many = h200_topology(nodes, args.overhead), h200_topology(nodes, args.overhead, args.channels)
         for size in sizes:
             p, q = predict(args.collective, size, one), predict(args.collective, size, many)
-            rows.append([f"{nodes}x{g}", format_size(size), _us(p.time), _gbs(p.busbw), p.slowest, _us(q.time),
-                         _gbs(q.busbw)])
+            rows.append(
+                [f"{nodes}x{g}", format_size(size), _us(p.time), _gbs(p.busbw), p.slowest, _us(q.time), _gbs(q.busbw)]
+            )
     big = max(sizes)
     summary = []
     for nodes, g in H200_SYSTEMS:
@@ -456,20 +599,54 @@ def _cmd_h200(args: argparse.Namespace) -> str:
         q = predict(args.collective, big, h200_topology(nodes, args.overhead, args.channels))
         for i, pub in enumerate(x for x in PUBLISHED if x.config == f"{nodes}x{g}"):
             first = i == 0
-            summary.append([f"{nodes}x{g}" if first else "", _gbs(p.busbw) if first else "",
-                            _gbs(q.busbw) if first else "", pub.busbw, pub.algorithm, pub.system,
-                            pub.url if pub.url != "-" else "-"])
-    head = (f"{args.collective}: H200 nodes of 8 GPUs; NVLink {H200_INTRA.bandwidth / GB:g} GB/s per direction + "
-            f"{H200_INTRA.latency:g} s, inter-node {H200_INTER.bandwidth / GB:g} GB/s per GPU (400 Gb/s) + "
-            f"{H200_INTER.latency:g} s, HBM {H200_MEM_BW / 1e12:g} TB/s, overhead {args.overhead:g} s per step (line "
-            f"rates: NCCL's effective NVLink is ~370 GB/s). ringcomm runs one ring: its slowest edge, one NIC "
-            f"(50 GB/s), paces every step, so its multi-node busbw is bounded by one NIC; NCCL runs a ring per NIC "
-            f"(\"{args.channels} rings\" below: the same model with {args.channels} channels).")
-    return (head + "\n\n" + _table(["system", "size", "1 ring: time (us)", "1 ring: busbw (GB/s)", "slowest edge",
-                                    f"{args.channels} rings: time (us)", f"{args.channels} rings: busbw (GB/s)"], rows)
-            + f"\n\nAt {format_size(big)} beside NCCL's published all_reduce busbw (large messages):\n\n"
-            + _table(["system", "ringcomm, 1 ring (model)", f"{args.channels} rings (model)", "NCCL published (GB/s)",
-                      "algorithm", "measured on", "source"], summary))
+            summary.append(
+                [
+                    f"{nodes}x{g}" if first else "",
+                    _gbs(p.busbw) if first else "",
+                    _gbs(q.busbw) if first else "",
+                    pub.busbw,
+                    pub.algorithm,
+                    pub.system,
+                    pub.url if pub.url != "-" else "-",
+                ]
+            )
+    head = (
+        f"{args.collective}: H200 nodes of 8 GPUs; NVLink {H200_INTRA.bandwidth / GB:g} GB/s per direction + "
+        f"{H200_INTRA.latency:g} s, inter-node {H200_INTER.bandwidth / GB:g} GB/s per GPU (400 Gb/s) + "
+        f"{H200_INTER.latency:g} s, HBM {H200_MEM_BW / 1e12:g} TB/s, overhead {args.overhead:g} s per step (line "
+        f"rates: NCCL's effective NVLink is ~370 GB/s). ringcomm runs one ring: its slowest edge, one NIC "
+        f"(50 GB/s), paces every step, so its multi-node busbw is bounded by one NIC; NCCL runs a ring per NIC "
+        f'("{args.channels} rings" below: the same model with {args.channels} channels).'
+    )
+    return (
+        head
+        + "\n\n"
+        + _table(
+            [
+                "system",
+                "size",
+                "1 ring: time (us)",
+                "1 ring: busbw (GB/s)",
+                "slowest edge",
+                f"{args.channels} rings: time (us)",
+                f"{args.channels} rings: busbw (GB/s)",
+            ],
+            rows,
+        )
+        + f"\n\nAt {format_size(big)} beside NCCL's published all_reduce busbw (large messages):\n\n"
+        + _table(
+            [
+                "system",
+                "ringcomm, 1 ring (model)",
+                f"{args.channels} rings (model)",
+                "NCCL published (GB/s)",
+                "algorithm",
+                "measured on",
+                "source",
+            ],
+            summary,
+        )
+    )
 
 
 def _cmd_one_gpu(args: argparse.Namespace) -> str:
@@ -482,10 +659,13 @@ def _cmd_one_gpu(args: argparse.Namespace) -> str:
         for n in ranks:
             cells += [_gbs(predict(args.collective, size, one_gpu_topology(n, t)).busbw) for t in names]
         rows.append(cells)
-    head = [f"{args.collective} busbw (GB/s) predicted on one H200 (HBM {H200_MEM_BW / 1e12:g} TB/s) shared by the "
-            "ranks; per-step overheads " + ", ".join(f"{t} {ONE_GPU_OVERHEAD[t] * 1e6:g} us" for t in names)
-            + " (ringcomm.model.ONE_GPU_OVERHEAD: ipc's and ipc-stream's measured on an H200 under MPS, NCCL's assumed)",
-            ""]
+    head = [
+        f"{args.collective} busbw (GB/s) predicted on one H200 (HBM {H200_MEM_BW / 1e12:g} TB/s) shared by the "
+        "ranks; per-step overheads "
+        + ", ".join(f"{t} {ONE_GPU_OVERHEAD[t] * 1e6:g} us" for t in names)
+        + " (ringcomm.model.ONE_GPU_OVERHEAD: ipc's and ipc-stream's measured on an H200 under MPS, NCCL's assumed)",
+        "",
+    ]
     return "\n".join(head) + _table(["size"] + [f"N={n} {t}" for n in ranks for t in names], rows)
 
 
@@ -495,8 +675,9 @@ def _cmd_sources(args: argparse.Namespace) -> str:
         if p.url == "-":
             lines.append(f"- {p.config}: {p.busbw}.")
         else:
-            lines.append(f"- {p.config}: busbw (GB/s) {p.busbw}; {p.algorithm}; {p.system}; {p.who}. "
-                         f"[{p.title}]({p.url})")
+            lines.append(
+                f"- {p.config}: busbw (GB/s) {p.busbw}; {p.algorithm}; {p.system}; {p.who}. [{p.title}]({p.url})"
+            )
     return "\n".join(lines)
 
 
@@ -522,10 +703,19 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit alpha and beta of the host path to bench JSON files")
     f.add_argument("files", nargs="+", help="python -m ringcomm.bench --json FILE outputs (one per N)")
     f.add_argument("--mode", choices=("both",) + MODES, default="both")
-    f.add_argument("--compare", nargs="*", default=[], metavar="FILE",
-                   help="more bench JSON files to show against the fitted model without fitting to them")
-    f.add_argument("--cores", type=int, default=os.cpu_count() or 0,
-                   help="CPU cores the ranks shared (default: this machine's, %(default)s; 0: not limiting)")
+    f.add_argument(
+        "--compare",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="more bench JSON files to show against the fitted model without fitting to them",
+    )
+    f.add_argument(
+        "--cores",
+        type=int,
+        default=os.cpu_count() or 0,
+        help="CPU cores the ranks shared (default: this machine's, %(default)s; 0: not limiting)",
+    )
     h = sub.add_parser("h200", help="1x8, 2x8, 16x8 H200 predictions beside NCCL's published busbw")
     h.add_argument("--collective", "-c", default="all_reduce", choices=COLLECTIVES)
     h.add_argument("--sizes", default="64K,1M,16M,64M,256M,1G")
@@ -541,8 +731,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"predict": _cmd_predict, "fit": _cmd_fit, "h200": _cmd_h200, "sources": _cmd_sources,
-           "one-gpu": _cmd_one_gpu}[args.command]
+    run = {
+        "predict": _cmd_predict,
+        "fit": _cmd_fit,
+        "h200": _cmd_h200,
+        "sources": _cmd_sources,
+        "one-gpu": _cmd_one_gpu,
+    }[args.command]
     try:
         print(run(args))
     except (ValueError, KeyError, FileNotFoundError) as e:  # bad arguments or files

@@ -37,8 +37,11 @@ SUM, AVG = ReduceOp.SUM, ReduceOp.AVG
 
 #: the numpy ufunc that combines two arrays for each op (AVG adds; the division comes last)
 UFUNCS = {
-    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
 }
 
 #: every ReduceOp by itself and by its lower-case name

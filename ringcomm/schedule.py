@@ -194,6 +194,7 @@ def _check(n: int, rank: int, root: int = 0) -> None:
 # Simulator: runs a schedule for N virtual ranks in one process, on numpy arrays, step by step, with
 # every rank's sends of a step taken before any rank writes (what the transports guarantee).
 
+
 def simulate(
     schedules: Sequence[Sequence[Step]],
     bufs: Sequence[np.ndarray],
@@ -284,8 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", type=int, default=0, help="root rank for broadcast/reduce")
     ap.add_argument("--chunks", type=int, default=None, help="pipeline pieces for broadcast/reduce (default N)")
     ap.add_argument("--count", type=int, default=None, help="also print the partition of COUNT elements")
-    ap.add_argument("--nodes", default=None, help="print the ring of a node layout instead: one label per rank, "
-                    "comma-separated, as RINGCOMM_NODES (e.g. a,b,a,b)")
+    ap.add_argument(
+        "--nodes",
+        default=None,
+        help="print the ring of a node layout instead: one label per rank, "
+        "comma-separated, as RINGCOMM_NODES (e.g. a,b,a,b)",
+    )
     a = ap.parse_args(argv)
     if a.nodes is not None:
         labels = [x.strip() for x in a.nodes.split(",")]

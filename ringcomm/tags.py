@@ -3,9 +3,10 @@
 A tag packs, from the low bits up: the channel (what the message is: ring data, a plan's
 persistent requests, the CUDA IPC handshake's handles, "ready", "done" and "released" messages, an
 abort), then the identity of the call: the collective, the dtype (and whether a half type's partial
-sums are float32: accumulate="float32"), the op, the root and the call number (this communicator's count of collectives, the same on every rank when they call the same
-sequence). A receive posted for one call can then never match a message of another: ranks that
-disagree on the call see a message they did not expect instead of wrong data, and report it.
+sums are float32: accumulate="float32"), the op, the root and the call number (this communicator's
+count of collectives, the same on every rank when they call the same sequence). A receive posted for
+one call can then never match a message of another: ranks that disagree on the call see a message
+they did not expect instead of wrong data, and report it.
 
 The MPI standard promises tags up to ``MPI.TAG_UB`` >= 32767 (15 bits); MPICH gives 2**29 - 1
 (29 bits). The fields take, in this order of priority: channel 3 bits, collective 3, dtype 4,
@@ -27,8 +28,16 @@ from .ops import HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp
 #: what a message is (the low 3 bits of its tag); SHARED: no message, a call in the shared-memory
 #: window (transports.shm: what its waits expect, so that any message of the call is a mismatch)
 DATA, PLAN, HANDLES, READY, DONE, RELEASED, ABORT, SHARED = range(8)
-CHANNEL_NAMES = ("data", "plan (persistent requests)", "ipc handles", "ipc ready", "ipc done", "ipc released", "abort",
-                 "in shared memory")
+CHANNEL_NAMES = (
+    "data",
+    "plan (persistent requests)",
+    "ipc handles",
+    "ipc ready",
+    "ipc done",
+    "ipc released",
+    "abort",
+    "in shared memory",
+)
 #: a plan's persistent requests carry the call number modulo this (engine.Plan)
 PLAN_CALLS = 4
 #: the collectives a tag can name ("close": the CUDA IPC transport's closing handshake)
@@ -92,7 +101,8 @@ class Layout:
         if root >= 0 and self.root_bits:
             what.append(f"root {root}")
         if tag & 7 == PLAN:  # a plan's persistent requests carry the call number modulo PLAN_CALLS only
-            return f"{name} ({', '.join(what)}) {CHANNEL_NAMES[PLAN]} of a call numbered {folded % PLAN_CALLS} mod {PLAN_CALLS}"
+            numbered = f"a call numbered {folded % PLAN_CALLS} mod {PLAN_CALLS}"
+            return f"{name} ({', '.join(what)}) {CHANNEL_NAMES[PLAN]} of {numbered}"
         return f"{name} call {call} ({', '.join(what)}) {CHANNEL_NAMES[tag & 7]}"
 
 

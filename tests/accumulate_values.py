@@ -29,13 +29,47 @@ def half_values(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray
     dtype = np.dtype(dtype)
     if dtype == F16:
         ordinary = (rng.standard_normal(n) * 100.0).astype(np.float16)
-        special = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0200, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00,
-                   0xFE00, 0x7C01, 0x7FFF, 0xFD55, 0x3C00]
+        special = [
+            0x0000,
+            0x8000,
+            0x0001,
+            0x8001,
+            0x03FF,
+            0x0200,
+            0x0400,
+            0x7BFF,
+            0xFBFF,
+            0x7C00,
+            0xFC00,
+            0x7E00,
+            0xFE00,
+            0x7C01,
+            0x7FFF,
+            0xFD55,
+            0x3C00,
+        ]
         sub = rng.integers(1, 0x400, n, dtype=np.uint16)  # subnormals
     else:
         ordinary = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(BF16)
-        special = [0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0040, 0x0080, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0,
-                   0xFFC0, 0x7F81, 0x7FFF, 0xFFA5, 0x3F80]
+        special = [
+            0x0000,
+            0x8000,
+            0x0001,
+            0x8001,
+            0x007F,
+            0x0040,
+            0x0080,
+            0x7F7F,
+            0xFF7F,
+            0x7F80,
+            0xFF80,
+            0x7FC0,
+            0xFFC0,
+            0x7F81,
+            0x7FFF,
+            0xFFA5,
+            0x3F80,
+        ]
         sub = rng.integers(1, 0x80, n, dtype=np.uint16)
     bits = ordinary.view(np.uint16).copy()
     pick = rng.random(n)
@@ -53,8 +87,21 @@ def partial_values(rng: np.random.Generator, a: np.ndarray, div: int = 1) -> np.
     if a.dtype == BF16:
         b = (b * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
     pick = rng.random(n)
-    specials = _bits32(0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
-                       0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F7FFFFF, 0xFF7FFFFF)
+    specials = _bits32(
+        0x00000000,
+        0x80000000,
+        0x00000001,
+        0x807FFFFF,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFFFFFFFF,
+        0x7FBFFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    )
     b = np.where(pick < 0.1, rng.choice(specials, n), b)
     tiny = (rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(-149, -120, n)).astype(np.float32)
     b = np.where((pick >= 0.1) & (pick < 0.2), tiny, b)  # float32 subnormals and just above
@@ -70,9 +117,13 @@ def partial_values(rng: np.random.Generator, a: np.ndarray, div: int = 1) -> np.
     with np.errstate(all="ignore"):
         want = (np.float64(div) * m.astype(np.float64)).astype(np.float32)
         bt = (want.astype(np.float64) - x.astype(np.float64)).astype(np.float32)
-        exact = (np.isfinite(x) & np.isfinite(want) & (bt.astype(np.float64) == want.astype(np.float64)
-                                                       - x.astype(np.float64)) & ((x + bt) == want)
-                 & (want.astype(np.float64) == np.float64(div) * m.astype(np.float64)))
+        exact = (
+            np.isfinite(x)
+            & np.isfinite(want)
+            & (bt.astype(np.float64) == want.astype(np.float64) - x.astype(np.float64))
+            & ((x + bt) == want)
+            & (want.astype(np.float64) == np.float64(div) * m.astype(np.float64))
+        )
     b = np.where((pick >= 0.35) & (pick < 0.6) & exact, bt, b)
     return b.astype(np.float32)
 
@@ -92,7 +143,7 @@ def tie_points(rng: np.random.Generator, dtype: np.dtype, n: int) -> np.ndarray:
 def midpoint_f16(k: np.ndarray) -> np.ndarray:
     """float32 halfway between the float16 values of bits k and k + 1 (0 <= k < 0x7c00), built exactly."""
     k = np.asarray(k, np.int64)
-    normal = (k.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32) + np.uint32(0x1000))
+    normal = k.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32) + np.uint32(0x1000)
     sub = np.float32(2.0**-25) * (2 * k + 1).astype(np.float32)  # (k + 1/2) * 2^-24, exact
     return np.where(k >= 0x400, normal.view(np.float32), sub).astype(np.float32)
 

@@ -110,7 +110,10 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
 def unit_roundoff(dtype: np.dtype) -> float:
     """u = 2**-p for a float type with p significand bits (float16 2^-11, bfloat16 2^-8)."""
     return {
-        np.dtype(np.float16): 2.0**-11, bfloat16: 2.0**-8, np.dtype(np.float32): 2.0**-24, np.dtype(np.float64): 2.0**-53,
+        np.dtype(np.float16): 2.0**-11,
+        bfloat16: 2.0**-8,
+        np.dtype(np.float32): 2.0**-24,
+        np.dtype(np.float64): 2.0**-53,
     }[np.dtype(dtype)]
 
 
@@ -160,7 +163,9 @@ def assert_identical_on_all_ranks(mpi: MPI.Intracomm, a: np.ndarray, what: str) 
     """The bytes of ``a`` are the same on every rank."""
     everyone = gather_all(mpi, a)
     for r, b in enumerate(everyone):
-        assert b.view(np.uint8).tobytes() == everyone[0].view(np.uint8).tobytes(), f"{what}: rank {r} differs from rank 0"
+        assert b.view(np.uint8).tobytes() == everyone[0].view(np.uint8).tobytes(), (
+            f"{what}: rank {r} differs from rank 0"
+        )
 
 
 DTYPES = FLOAT_DTYPES + INT_DTYPES
@@ -195,8 +200,10 @@ def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     world = MPI.COMM_WORLD
     if report.failed and world.size > 1 and item.get_closest_marker("parallel") is not None:
-        sys.stderr.write(f"\n[ringcomm tests] rank {world.rank} of {world.size}: {item.nodeid} failed ({report.when}); aborting "
-                         f"every rank (the others would wait for it):\n{report.longreprtext}\n")
+        sys.stderr.write(
+            f"\n[ringcomm tests] rank {world.rank} of {world.size}: {item.nodeid} failed ({report.when}); aborting "
+            f"every rank (the others would wait for it):\n{report.longreprtext}\n"
+        )
         sys.stderr.flush()
         world.Abort(1)
 
@@ -232,13 +239,24 @@ def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
     if why:
         pytest.skip(why)
     lib = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    build = [CXX, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas",
-             str(ROOT / "tests" / "csrc_harness.cpp"), "-o", str(lib)]
+    build = [
+        CXX,
+        "-std=c++17",
+        "-O2",
+        "-ffp-contract=off",
+        "-shared",
+        "-fPIC",
+        "-Wno-unknown-pragmas",
+        str(ROOT / "tests" / "csrc_harness.cpp"),
+        "-o",
+        str(lib),
+    ]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
+        [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]
+    )
     env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
     env.setdefault("RINGCOMM_TEST_TIMEOUT", "60")
     env.pop("RINGCOMM_TRANSPORT", None)
@@ -247,5 +265,11 @@ def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
 
 def run_emulated(env: dict[str, str], cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``cmd`` (python is this interpreter) in the repository root, in ``env``; output captured."""
-    return subprocess.run([sys.executable if c == "python" else c for c in cmd], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable if c == "python" else c for c in cmd],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

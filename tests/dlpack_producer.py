@@ -37,8 +37,12 @@ class DLDataType(ctypes.Structure):
 
 class DLTensor(ctypes.Structure):
     _fields_ = [
-        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
         ("byte_offset", ctypes.c_uint64),
     ]
 
@@ -56,15 +60,19 @@ class DLPackVersion(ctypes.Structure):
 
 class DLManagedTensorVersioned(ctypes.Structure):
     _fields_ = [
-        ("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER),
-        ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", DELETER),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
     ]
 
 
 # private prototypes (ctypes.pythonapi.<name> is one object shared with other modules)
 _api = ctypes.pythonapi
 _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
-    ("PyCapsule_New", _api))
+    ("PyCapsule_New", _api)
+)
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # void (*)(PyObject *capsule)
 _NAMES = (b"dltensor", b"dltensor_versioned")  # module constants: capsules keep the char*
 _is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_IsValid", _api))
@@ -105,9 +113,19 @@ class Producer:
     """
 
     def __init__(
-        self, base: Any, *, code: int | None = None, bits: int | None = None, shape: tuple | None = None,
-        strides: tuple | None = None, byte_offset: int = 0, device: tuple[int, int] = (KDL_CPU, 0),
-        readonly: bool = False, versioned: bool | None = None, ptr: int | None = None, on_export: Any = None,
+        self,
+        base: Any,
+        *,
+        code: int | None = None,
+        bits: int | None = None,
+        shape: tuple | None = None,
+        strides: tuple | None = None,
+        byte_offset: int = 0,
+        device: tuple[int, int] = (KDL_CPU, 0),
+        readonly: bool = False,
+        versioned: bool | None = None,
+        ptr: int | None = None,
+        on_export: Any = None,
     ) -> None:
         self.base = base
         dtype = np.dtype(base.dtype)

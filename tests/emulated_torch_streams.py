@@ -76,8 +76,13 @@ class Tensor:
     def __cuda_array_interface__(self) -> dict:
         if self.data.dtype == bfloat16:
             raise TypeError("Got unsupported ScalarType BFloat16")
-        return {"typestr": self.data.dtype.str, "shape": self.data.shape, "strides": None,
-                "data": (self.data.data.ptr, False), "version": 2}
+        return {
+            "typestr": self.data.dtype.str,
+            "shape": self.data.shape,
+            "strides": None,
+            "data": (self.data.data.ptr, False),
+            "version": 2,
+        }
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (KDL_CUDA, 0)
@@ -92,16 +97,20 @@ class Tensor:
                 event.record(current)
                 consumer.wait_event(event)
         code = KDL_BFLOAT if self.data.dtype == bfloat16 else KDL_FLOAT
-        producer = Producer(self.data, code=code, bits=16 if code == KDL_BFLOAT else None, device=(KDL_CUDA, 0),
-                            ptr=self.data.data.ptr)
+        producer = Producer(
+            self.data, code=code, bits=16 if code == KDL_BFLOAT else None, device=(KDL_CUDA, 0), ptr=self.data.data.ptr
+        )
         return producer.__dlpack__(max_version=max_version)
 
 
 torch = types.ModuleType("torch")
 torch.Tensor = Tensor
 torch.cuda = types.SimpleNamespace(
-    Stream=TorchStream, ExternalStream=TorchExternalStream, Event=TorchEvent,
-    current_stream=lambda device=None: _torch_stream, default_stream=lambda device=None: _default_stream,
+    Stream=TorchStream,
+    ExternalStream=TorchExternalStream,
+    Event=TorchEvent,
+    current_stream=lambda device=None: _torch_stream,
+    default_stream=lambda device=None: _default_stream,
 )
 sys.modules["torch"] = torch
 
@@ -140,8 +149,10 @@ def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> lis
         got = torch_reads(dst)
     if got.tobytes() != values.tobytes():
         wrong = int(np.count_nonzero(got.view(np.uint8) != values.view(np.uint8)))
-        errors.append(f"{what}: the result seen on the collective's stream differs from x ({wrong} bytes differ; "
-                      f"first elements {got[:3]} vs {values[:3]})")
+        errors.append(
+            f"{what}: the result seen on the collective's stream differs from x ({wrong} bytes differ; "
+            f"first elements {got[:3]} vs {values[:3]})"
+        )
     # imported by DLPack (not by the interface, which names no stream), asking with the collective's stream
     want = _torch_stream.cuda_stream if stream_kind != "cupy" else stream.ptr
     for name, t in (("x", x), ("y", y)):

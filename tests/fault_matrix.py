@@ -40,21 +40,39 @@ def _cases(xp, r: int, n: int) -> dict:
         return xp.ones(count, dtype)
 
     return {
-        "count (small)": ("rank 0 has 1007 elements, the others 1000 (4 KB: the gather-fold plan)",
-                          lambda c: c.all_reduce(ones(1007 if r == 0 else 1000))),
-        "count (ring)": ("rank 0 has 16 elements more than the others", lambda c: c.all_reduce(ones(big + 16 * (r == 0)))),
-        "dtype (other size)": ("float64 on rank 0, float32 elsewhere",
-                               lambda c: c.all_reduce(ones(big, xp.float64 if r == 0 else f32))),
-        "dtype (same size)": ("int32 on rank 0, float32 elsewhere",
-                              lambda c: c.all_reduce(ones(big, xp.int32 if r == 0 else f32))),
+        "count (small)": (
+            "rank 0 has 1007 elements, the others 1000 (4 KB: the gather-fold plan)",
+            lambda c: c.all_reduce(ones(1007 if r == 0 else 1000)),
+        ),
+        "count (ring)": (
+            "rank 0 has 16 elements more than the others",
+            lambda c: c.all_reduce(ones(big + 16 * (r == 0))),
+        ),
+        "dtype (other size)": (
+            "float64 on rank 0, float32 elsewhere",
+            lambda c: c.all_reduce(ones(big, xp.float64 if r == 0 else f32)),
+        ),
+        "dtype (same size)": (
+            "int32 on rank 0, float32 elsewhere",
+            lambda c: c.all_reduce(ones(big, xp.int32 if r == 0 else f32)),
+        ),
         "op": ("max on rank 0, sum elsewhere", lambda c: c.all_reduce(ones(big), "max" if r == 0 else "sum")),
-        "op (small)": ("max on rank 0, sum elsewhere, 40 B", lambda c: c.all_reduce(ones(10), "max" if r == 0 else "sum")),
-        "collective": ("all_gather on rank 0, all_reduce elsewhere (same sizes)",
-                       lambda c: c.all_gather(ones(big // n), out=ones(big)) if r == 0 else c.all_reduce(ones(big))),
-        "skipped call": ("rank 0 skips an all_reduce, then calls reduce_scatter like the others",
-                         lambda c: (r != 0 and c.all_reduce(ones(big)), c.reduce_scatter(ones(big)))),
-        "root": ("broadcast, root 0 on rank 0 and root 1 elsewhere",
-                 lambda c: c.broadcast(ones(big), root=0 if r == 0 else 1)),
+        "op (small)": (
+            "max on rank 0, sum elsewhere, 40 B",
+            lambda c: c.all_reduce(ones(10), "max" if r == 0 else "sum"),
+        ),
+        "collective": (
+            "all_gather on rank 0, all_reduce elsewhere (same sizes)",
+            lambda c: c.all_gather(ones(big // n), out=ones(big)) if r == 0 else c.all_reduce(ones(big)),
+        ),
+        "skipped call": (
+            "rank 0 skips an all_reduce, then calls reduce_scatter like the others",
+            lambda c: (r != 0 and c.all_reduce(ones(big)), c.reduce_scatter(ones(big))),
+        ),
+        "root": (
+            "broadcast, root 0 on rank 0 and root 1 elsewhere",
+            lambda c: c.broadcast(ones(big), root=0 if r == 0 else 1),
+        ),
     }
 
 
@@ -122,8 +140,12 @@ def run_exit(timeout: float, xp) -> None:
 
 def markdown(records: list[dict], n: int, timeout: float, device: str) -> str:
     cases = list(dict.fromkeys(rec["case"] for rec in records))
-    lines = [f"N = {n}, {device} arrays, timeout {timeout:g} s; each cell: what the rank raised, after how long",
-             "", "| case | " + " | ".join(f"rank {r}" for r in range(n)) + " |", "|---" * (n + 1) + "|"]
+    lines = [
+        f"N = {n}, {device} arrays, timeout {timeout:g} s; each cell: what the rank raised, after how long",
+        "",
+        "| case | " + " | ".join(f"rank {r}" for r in range(n)) + " |",
+        "|---" * (n + 1) + "|",
+    ]
     for case in cases:
         cells = []
         for r in range(n):
@@ -156,16 +178,26 @@ def main() -> int:
         run_exit(args.timeout, xp)
         return 0
     cases = _cases(xp, WORLD.rank, WORLD.size)
-    records = [run_case(name, call, args.timeout, xp) for name, (_, call) in cases.items()
-               if args.case in ("all", name)]
+    records = [
+        run_case(name, call, args.timeout, xp) for name, (_, call) in cases.items() if args.case in ("all", name)
+    ]
     if args.case in ("all", "stuck peer"):
         records.append(run_stuck(args.timeout, xp))
     everyone = [rec for recs in WORLD.allgather(records) for rec in recs]
     if WORLD.rank == 0:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"ranks": WORLD.size, "timeout": args.timeout, "device": args.device,
-                           "cases": {k: v[0] for k, v in cases.items()}, "records": everyone}, f, indent=1)
+                json.dump(
+                    {
+                        "ranks": WORLD.size,
+                        "timeout": args.timeout,
+                        "device": args.device,
+                        "cases": {k: v[0] for k, v in cases.items()},
+                        "records": everyone,
+                    },
+                    f,
+                    indent=1,
+                )
         print(markdown(everyone, WORLD.size, args.timeout, args.device))
     return 0
 

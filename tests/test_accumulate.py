@@ -28,7 +28,8 @@ def ulp(dtype: np.dtype, values: np.ndarray) -> np.ndarray:
 
 
 def assert_within_bound(got: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, what: str) -> None:
-    """|got - exact| <= ulp/2 + N·2⁻²⁴·Σ|xᵢ| (sum, avg: /N), exactly for min/max, (N+1)·2⁻²⁴·|exact| + ulp/2 for prod."""
+    """|got - exact| <= ulp/2 + N·2⁻²⁴·Σ|xᵢ| (sum, avg: /N), exactly for min/max,
+    (N+1)·2⁻²⁴·|exact| + ulp/2 for prod."""
     exact = reference(inputs, op)
     g = got.astype(np.float64)
     n = len(inputs)

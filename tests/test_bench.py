@@ -22,8 +22,17 @@ from ringcomm.ops import ReduceOp, bfloat16
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("8", 8), ("0", 0), ("64K", 65536), ("128M", 128 << 20), ("1G", 1 << 30), ("4k", 4096), ("2MiB", 2 << 20),
-     (" 3 KB ", 3072), (17, 17)],
+    [
+        ("8", 8),
+        ("0", 0),
+        ("64K", 65536),
+        ("128M", 128 << 20),
+        ("1G", 1 << 30),
+        ("4k", 4096),
+        ("2MiB", 2 << 20),
+        (" 3 KB ", 3072),
+        (17, 17),
+    ],
 )
 def test_parse_size(text, expected):
     assert sizes.parse_size(text) == expected
@@ -37,7 +46,12 @@ def test_parse_size_rejects(text):
 
 def test_format_size():
     assert [sizes.format_size(n) for n in (8, 1024, 1536, 64 << 20, 3 << 30)] == [
-        "8 B", "1 KiB", "1.5 KiB", "64 MiB", "3 GiB"]
+        "8 B",
+        "1 KiB",
+        "1.5 KiB",
+        "64 MiB",
+        "3 GiB",
+    ]
 
 
 def test_sweep_by_factor_and_step():
@@ -50,8 +64,15 @@ def test_sweep_by_factor_and_step():
 
 @pytest.mark.parametrize(
     "lo, hi, kw",
-    [(8, 4, {"factor": 2}), (8, 64, {"factor": 1}), (0, 64, {"factor": 2}), (8, 64, {}),
-     (8, 64, {"factor": 2, "step": 8}), (8, 64, {"step": 0}), (-1, 8, {"step": 1})],
+    [
+        (8, 4, {"factor": 2}),
+        (8, 64, {"factor": 1}),
+        (0, 64, {"factor": 2}),
+        (8, 64, {}),
+        (8, 64, {"factor": 2, "step": 8}),
+        (8, 64, {"step": 0}),
+        (-1, 8, {"step": 1}),
+    ],
 )
 def test_sweep_rejects(lo, hi, kw):
     with pytest.raises(ValueError):
@@ -161,8 +182,13 @@ def _naive_expected(case: data.Case, seed: int) -> np.ndarray:
         return inputs[case.root]
     if c == "reduce" and case.rank != case.root:
         return inputs[case.rank]
-    fn = {ReduceOp.SUM: np.sum, ReduceOp.AVG: np.mean, ReduceOp.PROD: np.prod, ReduceOp.MIN: np.min,
-          ReduceOp.MAX: np.max}[case.op]
+    fn = {
+        ReduceOp.SUM: np.sum,
+        ReduceOp.AVG: np.mean,
+        ReduceOp.PROD: np.prod,
+        ReduceOp.MIN: np.min,
+        ReduceOp.MAX: np.max,
+    }[case.op]
     full = fn(np.stack(inputs), axis=0)
     if c == "reduce_scatter":
         lo, hi = case.shard
@@ -180,8 +206,16 @@ def test_expected_result_matches_a_naive_reference(collective):
             if op is ReduceOp.AVG and not data.is_float(dtype):
                 continue
             for rank in range(nranks):
-                case = data.Case(collective, count, dtype, op, 1 if collective in ("broadcast", "reduce") else -1,
-                                 nranks, rank, bounds)
+                case = data.Case(
+                    collective,
+                    count,
+                    dtype,
+                    op,
+                    1 if collective in ("broadcast", "reduce") else -1,
+                    nranks,
+                    rank,
+                    bounds,
+                )
                 got = data.expected_result(case, 11)
                 assert got.dtype == data.expected_dtype(case)
                 np.testing.assert_array_equal(got.astype(np.float64), _naive_expected(case, 11))
@@ -218,11 +252,13 @@ def test_plant_indices():
 
 # ------------------------------------------------------------------------------------ output
 
+
 def _row(impl: str, t_oop: float | None, t_ip: float, wrong: int = 0) -> Row:
     def res(t: float | None) -> Result:
         if t is None:
             return Result(note="in place only")
         return Result(t * 1e6, sizes.algbw(4096, t), sizes.busbw("all_reduce", 4096, t, 4), wrong, 20, 5)
+
     return Row("all_reduce", 4096, 1024, "float", "sum", -1, impl, {"out-of-place": res(t_oop), "in-place": res(t_ip)})
 
 
@@ -231,8 +267,11 @@ def test_table_round_trip_and_footer():
     add_ratios(rows)
     assert rows[1].results["out-of-place"].ratio == pytest.approx(2.0)
     layout = report.Layout.for_impls(["ringcomm", "mpi"])
-    text = "\n".join(report.column_header(layout) + [report.format_row(r, layout) for r in rows]
-                     + report.footer(rows, ["ringcomm", "mpi"], True, 20, 5))
+    text = "\n".join(
+        report.column_header(layout)
+        + [report.format_row(r, layout) for r in rows]
+        + report.footer(rows, ["ringcomm", "mpi"], True, 20, 5)
+    )
     (table,) = report.parse_tables(text)
     assert table.wrong == 6 and table.status == "FAILED"  # 3 in each mode
     assert table.avg_busbw == pytest.approx(np.mean([rows[0].results[m].busbw for m in report.MODES]), rel=1e-4)
@@ -248,8 +287,21 @@ def test_table_round_trip_and_footer():
 def test_single_implementation_table_has_nccl_tests_columns():
     layout = report.Layout.for_impls(["ringcomm"])
     names = report.column_header(layout)[1].lstrip("#").split()
-    assert names == ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time",
-                     "algbw", "busbw", "#wrong"]
+    assert names == [
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+    ]
     # and the parser reads nccl-tests' own output
     nccl_tests = """#
 #                                                              out-of-place                       in-place
@@ -283,6 +335,7 @@ def test_plot_writes_png(tmp_path):
 
 # ------------------------------------------------------------------------------- command line
 
+
 def _plan(*argv: str) -> Plan:
     return Plan.from_args(build_parser(quiet=True).parse_args(list(argv)))
 
@@ -301,10 +354,18 @@ def test_plan_defaults_and_all():
 
 @pytest.mark.parametrize(
     "argv, match",
-    [(["-f", "2", "-i", "1K"], "not both"), (["-b", "8x"], "minbytes"), (["-b", "1M", "-e", "1K"], "larger"),
-     (["-d", "int32", "-o", "avg"], "floor"), (["--impl", "ringcomm,gloo"], "impl"), (["-n", "0"], "iterations"),
-     (["-o", "mean"], "unsupported op"), (["-d", "complex"], "data type"), (["-f", "1"], "factor"),
-     (["--min-time", "-1"], "shortest timed loop")],
+    [
+        (["-f", "2", "-i", "1K"], "not both"),
+        (["-b", "8x"], "minbytes"),
+        (["-b", "1M", "-e", "1K"], "larger"),
+        (["-d", "int32", "-o", "avg"], "floor"),
+        (["--impl", "ringcomm,gloo"], "impl"),
+        (["-n", "0"], "iterations"),
+        (["-o", "mean"], "unsupported op"),
+        (["-d", "complex"], "data type"),
+        (["-f", "1"], "factor"),
+        (["--min-time", "-1"], "shortest timed loop"),
+    ],
 )
 def test_plan_rejects(argv, match):
     with pytest.raises((UsageError, ValueError), match=match):

@@ -34,15 +34,32 @@ def gpu_env(emulated_gpu_env):
     """The emulated GPU's environment, without the variables these runs set themselves."""
     env = dict(emulated_gpu_env)
     env["RINGCOMM_TIMEOUT"] = str(int(TEST_TIMEOUT))
-    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "RINGCOMM_EMULATED_NCCL_VERSION", "RINGCOMM_EMULATED_NCCL_CORRUPT",
-                 "CUDA_MPS_PIPE_DIRECTORY"):
+    for name in (
+        "NCCL_MULTI_RANK_GPU_ENABLE",
+        "RINGCOMM_EMULATED_NCCL_VERSION",
+        "RINGCOMM_EMULATED_NCCL_CORRUPT",
+        "CUDA_MPS_PIPE_DIRECTORY",
+    ):
         env.pop(name, None)
     return env
 
 
 def _bench(env: dict, args: list[str], **extra: str) -> tuple[int, str, str]:
-    cmd = ["mpiexec", "-n", "2", "python", "-m", "ringcomm.bench", "--device", "cuda",
-           "--impl", "ringcomm,nccl,mpi", "--timeout", "60", *args]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        "python",
+        "-m",
+        "ringcomm.bench",
+        "--device",
+        "cuda",
+        "--impl",
+        "ringcomm,nccl,mpi",
+        "--timeout",
+        "60",
+        *args,
+    ]
     run = run_emulated({**env, **extra}, cmd, 240)
     return run.returncode, run.stdout, run.stderr
 
@@ -63,8 +80,10 @@ def test_nccl_rows_run_and_are_checked(gpu_env, tmp_path):
     head = _header(out)
     assert not [h for h in head if "NCCL could not run" in h], head
     assert any(h.startswith("# Versions:") and "NCCL 2.30.7" in h for h in head), head
-    assert ("# nccl*: 2 ranks time-slice one GPU without MPS; NCCL's kernels spin, so its times are not those of "
-            "separate GPUs") in head
+    assert (
+        "# nccl*: 2 ranks time-slice one GPU without MPS; NCCL's kernels spin, so its times are not those of "
+        "separate GPUs"
+    ) in head
     tables = parse_tables(out)
     assert len(tables) == len(schedule.COLLECTIVES)
     for coll, table in zip(schedule.COLLECTIVES, tables):
@@ -82,13 +101,24 @@ def test_nccl_rows_run_and_are_checked(gpu_env, tmp_path):
     assert marks == {("ringcomm", ""), ("nccl", "*"), ("mpi", "")}
 
     # every type and op NCCL has, on all_reduce: checked the same way
-    rc, out, err = _bench(gpu_env, ["-c", "all_reduce", "-d", "all", "-o", "all", "-b", "1K", "-e", "1K",
-                                    "-n", "1", "-w", "0"])
+    rc, out, err = _bench(
+        gpu_env, ["-c", "all_reduce", "-d", "all", "-o", "all", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"]
+    )
     assert rc == 0, out[-3000:] + err[-3000:]
     (table,) = parse_tables(out)
     nccl = [r for r in table.rows if r["impl"] == "nccl*" and _measured(r)]
-    assert {r["type"] for r in nccl} == {"int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float",
-                                        "double", "bfloat16"}
+    assert {r["type"] for r in nccl} == {
+        "int8",
+        "uint8",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "half",
+        "float",
+        "double",
+        "bfloat16",
+    }
     assert len(nccl) == 4 * 10 + 4  # sum, prod, min, max on each type; avg on the 4 floating types
     assert all(g["#wrong"] == 0 for r in nccl for g in _measured(r)) and table.wrong == 0
 
@@ -114,9 +144,17 @@ def test_wrong_nccl_results_are_counted(gpu_env):
 
 @pytest.mark.parametrize(
     "extra, reason",
-    [({"RINGCOMM_EMULATED_NCCL_VERSION": "2.27.7"},
-      "2 ranks share a GPU here, which NCCL before 2.30 refuses (NCCL_MULTI_RANK_GPU_ENABLE needs NCCL 2.30 or later)"),
-     ({"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, "2 ranks share a GPU here, and NCCL_MULTI_RANK_GPU_ENABLE=0 (1 allows it)")],
+    [
+        (
+            {"RINGCOMM_EMULATED_NCCL_VERSION": "2.27.7"},
+            "2 ranks share a GPU here, which NCCL before 2.30 refuses "
+            "(NCCL_MULTI_RANK_GPU_ENABLE needs NCCL 2.30 or later)",
+        ),
+        (
+            {"NCCL_MULTI_RANK_GPU_ENABLE": "0"},
+            "2 ranks share a GPU here, and NCCL_MULTI_RANK_GPU_ENABLE=0 (1 allows it)",
+        ),
+    ],
     ids=["NCCL 2.27", "disabled"],
 )
 @emulated_gpu
@@ -126,14 +164,17 @@ def test_nccl_refusing_a_shared_gpu_is_a_note_with_its_version(gpu_env, extra, r
     version = extra.get("RINGCOMM_EMULATED_NCCL_VERSION", "2.30.7")
     notes = [h for h in _header(out) if "nccl: NCCL could not run" in h]
     assert len(notes) == 1, _header(out)
-    assert notes[0] == (f"#   nccl: NCCL could not run: NCCL {version}: ncclCommInitRank failed on rank 0 (NcclError: "
-                        "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)); " + reason)
+    assert notes[0] == (
+        f"#   nccl: NCCL could not run: NCCL {version}: ncclCommInitRank failed on rank 0 (NcclError: "
+        "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)); " + reason
+    )
     assert any(h.startswith("# Versions:") and f"NCCL {version}" in h for h in _header(out))
     (table,) = parse_tables(out)
     assert {r["impl"] for r in table.rows} == {"ringcomm", "mpi"} and table.wrong == 0
 
 
 # ------------------------------------------------------------------- the id's two forms, one rank
+
 
 def test_unique_id_forms_round_trip():
     to_bytes, to_form = impls.unique_id_bytes, impls.unique_id_for
@@ -162,8 +203,9 @@ class _FakeNccl:
             def __init__(self, ndev, commId, rank):
                 want = bytes if fake.cupy14 else tuple
                 if not isinstance(commId, want):
-                    raise TypeError(f"Argument 'commId' has incorrect type (expected {want.__name__}, got "
-                                    f"{type(commId).__name__})")
+                    raise TypeError(
+                        f"Argument 'commId' has incorrect type (expected {want.__name__}, got {type(commId).__name__})"
+                    )
                 if fake.cupy14 and len(commId) != 128:
                     raise ValueError("commId must be 128 bytes long")
                 assert len(commId) == 128
@@ -205,8 +247,10 @@ def test_nccl_errors_are_a_note_with_version_and_reason():
     try:
         impl, why = impls.NcclImpl.create(comm, None, fake, None, 1)
         assert impl is None
-        assert why == ("NCCL 2.27.7: ncclCommInitRank failed on rank 0 (RuntimeError: NCCL_ERROR_SYSTEM_ERROR: "
-                       "unhandled system error)")
+        assert why == (
+            "NCCL 2.27.7: ncclCommInitRank failed on rank 0 (RuntimeError: NCCL_ERROR_SYSTEM_ERROR: "
+            "unhandled system error)"
+        )
     finally:
         comm.close()
 
@@ -215,10 +259,14 @@ def test_time_sliced_nccl_is_marked():
     before = os.environ.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
     comm = ringcomm.Communicator(MPI.COMM_SELF, timeout=TEST_TIMEOUT)
     try:
-        sliced = ("nccl*: 3 ranks time-slice one GPU without MPS; NCCL's kernels spin, so its times are not those "
-                  "of separate GPUs")
-        mps = ("nccl*: 3 ranks share one GPU through MPS (control pipe in /tmp/nvidia-mps); its times are not those "
-               "of separate GPUs")
+        sliced = (
+            "nccl*: 3 ranks time-slice one GPU without MPS; NCCL's kernels spin, so its times are not those "
+            "of separate GPUs"
+        )
+        mps = (
+            "nccl*: 3 ranks share one GPU through MPS (control pipe in /tmp/nvidia-mps); its times are not those "
+            "of separate GPUs"
+        )
         for how, text in ((None, sliced), ("control pipe in /tmp/nvidia-mps", mps)):
             impl, why = impls.NcclImpl.create(comm, None, _FakeNccl(True), None, 3, how)
             assert why == "" and impl.mark == "*" and impl.footnote == text
@@ -236,10 +284,31 @@ def test_bench_shows_the_ring_and_every_edge_transport(gpu_env, tmp_path):
     """4 ranks as 2 simulated nodes x 2 emulated GPUs (peer access): IPC inside each node, staged
     between them; the header and the JSON name the ring and each edge's transport."""
     path = tmp_path / "bench.json"
-    cmd = ["mpiexec", "-n", "4", "python", "-m", "ringcomm.bench", "--device", "cuda", "--impl", "ringcomm,mpi",
-           "--timeout", "60", "-c", "all_reduce", *SWEEP, "--json", str(path)]
-    env = {**gpu_env, "RINGCOMM_NODES": "a,a,b,b", "RINGCOMM_EMULATED_DEVICES": "2",
-           "RINGCOMM_EMULATED_PEER_ACCESS": "all"}
+    cmd = [
+        "mpiexec",
+        "-n",
+        "4",
+        "python",
+        "-m",
+        "ringcomm.bench",
+        "--device",
+        "cuda",
+        "--impl",
+        "ringcomm,mpi",
+        "--timeout",
+        "60",
+        "-c",
+        "all_reduce",
+        *SWEEP,
+        "--json",
+        str(path),
+    ]
+    env = {
+        **gpu_env,
+        "RINGCOMM_NODES": "a,a,b,b",
+        "RINGCOMM_EMULATED_DEVICES": "2",
+        "RINGCOMM_EMULATED_PEER_ACCESS": "all",
+    }
     run = run_emulated(env, cmd, 240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     head = _header(run.stdout)
@@ -251,4 +320,8 @@ def test_bench_shows_the_ring_and_every_edge_transport(gpu_env, tmp_path):
     assert doc["ring"] == [0, 1, 2, 3] and doc["node_labels"] == ["a", "a", "b", "b"]
     assert doc["transport"] == "mixed"
     assert [(e["from"], e["to"], e["transport"]) for e in doc["edges"]] == [
-        (3, 0, "staged"), (0, 1, "ipc"), (1, 2, "staged"), (2, 3, "ipc")]
+        (3, 0, "staged"),
+        (0, 1, "ipc"),
+        (1, 2, "staged"),
+        (2, 3, "ipc"),
+    ]

@@ -29,8 +29,26 @@ from ringcomm.bench.runner import Runner, Settings, Watchdog
 from ringcomm.ops import ReduceOp
 
 PLANTED = 3
-SWEEP = ["-b", "256", "-e", "16K", "-f", "8", "-n", "2", "-w", "1", "--device", "host", "--impl", "ringcomm,mpi",
-         "--timeout", "60", "--min-time", "0.002"]
+SWEEP = [
+    "-b",
+    "256",
+    "-e",
+    "16K",
+    "-f",
+    "8",
+    "-n",
+    "2",
+    "-w",
+    "1",
+    "--device",
+    "host",
+    "--impl",
+    "ringcomm,mpi",
+    "--timeout",
+    "60",
+    "--min-time",
+    "0.002",
+]
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -48,10 +66,12 @@ def _check_paths_the_sweep_does_not_take() -> None:
     runner = Runner(comm, [RingcommImpl(comm), mpi], Settings(iters=2, warmup=1))
     try:
         count = 16 * comm.size + 16
-        cases = [runner.case("reduce_scatter", count, np.float32, ReduceOp.SUM, 0),
-                 runner.case("all_gather", count, np.int32, None, 0),
-                 runner.case("all_reduce", 1000, ringcomm.bfloat16, ReduceOp.MAX, 0),
-                 runner.case("reduce", 1000, ringcomm.bfloat16, ReduceOp.AVG, comm.size - 1)]
+        cases = [
+            runner.case("reduce_scatter", count, np.float32, ReduceOp.SUM, 0),
+            runner.case("all_gather", count, np.int32, None, 0),
+            runner.case("all_reduce", 1000, ringcomm.bfloat16, ReduceOp.MAX, 0),
+            runner.case("reduce", 1000, ringcomm.bfloat16, ReduceOp.AVG, comm.size - 1),
+        ]
         assert len({hi - lo for lo, hi in cases[0].bounds}) > 1
         for case in cases:
             for row in runner.run(case):
@@ -169,8 +189,10 @@ def test_driver_tables_check_and_planted_corruption(tmp_path, monkeypatch):
     assert "# Algorithm: all_reduce up to 65536 B: gather-fold" in text and "reduce_scatter and reduce up to" in text
     if nranks == 2:  # the window's own limits at 2 ranks (the defaults' slots and inbox hold more)
         pair = communicator.SHARED_PAIR_LIMITS
-        assert (f"broadcast up to {pair['broadcast']} B" in text and f"all_gather up to {pair['all_gather']} B a shard"
-                in text), text
+        assert (
+            f"broadcast up to {pair['broadcast']} B" in text
+            and f"all_gather up to {pair['all_gather']} B a shard" in text
+        ), text
     # (all-reduces stay in the window at every size: the default inbox holds N runs of SHARED_PIECE_BYTES)
     assert "; above: direct (shared memory: " in text and " B in pieces)" in text, text
     assert "above (not all_reduce): ring, and chain for broadcast and reduce" in text

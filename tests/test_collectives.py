@@ -8,7 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import (
-    DTYPES, assert_identical_on_all_ranks, assert_matches, gather_all, make_comm, ops_for, random_input, shared_seed,
+    DTYPES,
+    assert_identical_on_all_ranks,
+    assert_matches,
+    gather_all,
+    make_comm,
+    ops_for,
+    random_input,
+    shared_seed,
 )
 from mpi4py import MPI
 
@@ -158,7 +165,9 @@ def check_chain_family() -> None:
                             assert_like_mpi(out, theirs, ys, op, f"reduce vs MPI_Reduce {what}")
                     else:
                         assert res is None
-                        assert out.tobytes() == poison(np.empty_like(out)).tobytes(), f"reduce wrote out off root {what}"
+                        assert out.tobytes() == poison(np.empty_like(out)).tobytes(), (
+                            f"reduce wrote out off root {what}"
+                        )
                         assert comm.reduce(y.copy(), op, root=root) is None
                         if mpi_reference_ok(y.dtype, op):
                             mpi.Reduce(y, None, op=MPI_OPS[op], root=root)

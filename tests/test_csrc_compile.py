@@ -42,8 +42,19 @@ def test_sources_present():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_compiles(source: Path, arch: str, tmp_path: Path):
-    cmd = [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(CSRC), "-Werror", "all-warnings", "-c", str(source),
-           "-o", str(tmp_path / f"{source.stem}.{arch}.o")]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        f"-arch={arch}",
+        "-I",
+        str(CSRC),
+        "-Werror",
+        "all-warnings",
+        "-c",
+        str(source),
+        "-o",
+        str(tmp_path / f"{source.stem}.{arch}.o"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / f"{source.stem}.{arch}.o").stat().st_size > 0
@@ -68,8 +79,18 @@ def test_ptx_keeps_ieee_under_cupy_options(name: str, arch: str, tmp_path: Path)
     from ringcomm.devices import cuda
 
     ptx = tmp_path / f"{name}.{arch}.ptx"
-    cmd = [NVCC, *cuda.NVRTC_OPTIONS, *CUPY_APPENDS, f"-arch={arch}", "-I", str(CSRC), "--ptx", str(CSRC / name),
-           "-o", str(ptx)]
+    cmd = [
+        NVCC,
+        *cuda.NVRTC_OPTIONS,
+        *CUPY_APPENDS,
+        f"-arch={arch}",
+        "-I",
+        str(CSRC),
+        "--ptx",
+        str(CSRC / name),
+        "-o",
+        str(ptx),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
     insns = _FP_INSN.findall(ptx.read_text())

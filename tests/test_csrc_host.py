@@ -30,8 +30,23 @@ from accumulate_values import reference as acc_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "csrc_harness.cpp"
-DTYPES = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int16,
-                                np.uint16, np.int32, np.uint32, np.int64, np.uint64)]
+DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.float16,
+        ml_dtypes.bfloat16,
+        np.float32,
+        np.float64,
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.uint16,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+    )
+]
 OPS = ["sum", "prod", "min", "max"]
 FLOATS = DTYPES[:4]
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
@@ -43,23 +58,59 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler found"
 def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
     """The harness as a shared library; -ffp-contract=off: the host compiler fuses nothing itself."""
     out = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    cmd = [CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas", *defines,
-           str(HARNESS), "-o", str(out)]
+    cmd = [
+        CXX,
+        "-std=c++17",
+        "-O1",
+        "-ffp-contract=off",
+        "-shared",
+        "-fPIC",
+        "-Wno-unknown-pragmas",
+        *defines,
+        str(HARNESS),
+        "-o",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
     so = ctypes.CDLL(str(out))
-    so.rc_host_reduce.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, u64,
-                                  ctypes.c_int, ctypes.c_double, u64]
+    so.rc_host_reduce.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        u64,
+        ctypes.c_int,
+        ctypes.c_double,
+        u64,
+    ]
     so.rc_host_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, u64, u64]
     so.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [u64, ctypes.c_void_p, u64]
     so.rc_host_convert.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, u64]
     so.rc_host_misaligned.restype = u64
     so.rc_host_probe.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double]
     so.rc_host_probe.restype = ctypes.c_double
-    so.rc_host_reduce_acc.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      u64, u64]
-    so.rc_host_reduce_acc_final.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_void_p, u64, ctypes.c_int, ctypes.c_float, u64]
+    so.rc_host_reduce_acc.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        u64,
+        u64,
+    ]
+    so.rc_host_reduce_acc_final.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        u64,
+        ctypes.c_int,
+        ctypes.c_float,
+        u64,
+    ]
     so.rc_host_widen.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, u64, u64]
     return so
 
@@ -112,7 +163,7 @@ def guarded(dtype: np.dtype, n: int, offset: int, fill: int = 0xA5, shift: int =
     item = dtype.itemsize
     raw = np.full((n + offset + 64) * item + 64, fill, np.uint8)
     base = (-ptr(raw)) % 64 + shift  # a 64-byte aligned start, so offsets are what the test says
-    view = raw[base + offset * item: base + (offset + n) * item].view(dtype)
+    view = raw[base + offset * item : base + (offset + n) * item].view(dtype)
     return raw, view
 
 
@@ -150,8 +201,9 @@ def test_reduce_matches_numpy(lib, dtype):
                         else:
                             raw_a, av = guarded(dtype, n, offs[1])
                             av[...] = a
-                        rc = lib.rc_host_reduce(code, OPS.index(op), ptr(d), ptr(av), ptr(bv), n, int(div != 1),
-                                                float(div), nthreads)
+                        rc = lib.rc_host_reduce(
+                            code, OPS.index(op), ptr(d), ptr(av), ptr(bv), n, int(div != 1), float(div), nthreads
+                        )
                         assert rc == 0
                         where = f"{dtype} {op} n={n} offsets={offs} div={div} in_place={in_place}"
                         np.testing.assert_array_equal(bits(d), bits(want), err_msg=where)
@@ -188,8 +240,17 @@ def test_copy_every_alignment(lib):
 ACC_COUNTS = [0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 33, 127, 1000, 4099]
 # (dst, a, b) element offsets from a 64-byte boundary, and b's extra byte shift: the vector path needs the
 # float32 pointers 16-byte aligned at the element where the half pointers are 8-byte aligned
-ACC_OFFSETS = [(0, 0, 0, 0), (1, 1, 1, 0), (2, 2, 2, 0), (3, 3, 3, 0), (1, 5, 1, 0), (3, 7, 7, 0), (0, 1, 0, 0),
-               (2, 0, 5, 0), (1, 1, 1, 2)]  # the last: float32 at an address that is not a multiple of 4
+ACC_OFFSETS = [
+    (0, 0, 0, 0),
+    (1, 1, 1, 0),
+    (2, 2, 2, 0),
+    (3, 3, 3, 0),
+    (1, 5, 1, 0),
+    (3, 7, 7, 0),
+    (0, 1, 0, 0),
+    (2, 0, 5, 0),
+    (1, 1, 1, 2),
+]  # the last: float32 at an address that is not a multiple of 4
 
 
 def _host_acc(kind: str, dst: np.ndarray, a: np.ndarray, b: np.ndarray | None, op: str, div: int) -> None:
@@ -243,8 +304,9 @@ def test_accumulate_kernels_match_numpy_and_the_host_device(request, build, dtyp
                             if kind == "acc":
                                 rc = so.rc_host_reduce_acc(code, OPS.index(op), ptr(d), ptr(av), bp, n, nthreads)
                             elif kind == "final":
-                                rc = so.rc_host_reduce_acc_final(code, OPS.index(op), ptr(d), ptr(av), bp, n,
-                                                                 int(div != 1), float(div), nthreads)
+                                rc = so.rc_host_reduce_acc_final(
+                                    code, OPS.index(op), ptr(d), ptr(av), bp, n, int(div != 1), float(div), nthreads
+                                )
                             else:
                                 rc = so.rc_host_widen(code, ptr(d), ptr(av), n, nthreads)
                             assert rc == 0
@@ -296,12 +358,16 @@ def test_accumulate_rounds_ties_to_even(lib, lib_cupy, dtype):
             b = (t - xfs).astype(np.float32)
             assert ((b.astype(np.float64) + xfs.astype(np.float64)) == t.astype(np.float64)).all()  # exact
             assert ((xfs + b) == t).all()
-            want = (want_k.astype(np.uint16) | np.uint16(0x8000 if sign < 0 else 0))
+            want = want_k.astype(np.uint16) | np.uint16(0x8000 if sign < 0 else 0)
             where = f"{dtype} sign {sign} div {div}"
             for so in (lib, lib_cupy):
                 d = np.empty(xs.size, dtype)
-                assert so.rc_host_reduce_acc_final(code, 0, ptr(d), ptr(xs), ptr(b), xs.size, int(div != 1),
-                                                   float(div), 64) == 0
+                assert (
+                    so.rc_host_reduce_acc_final(
+                        code, 0, ptr(d), ptr(xs), ptr(b), xs.size, int(div != 1), float(div), 64
+                    )
+                    == 0
+                )
                 np.testing.assert_array_equal(bits(d), want, err_msg=f"kernel: {where}")
             d = np.empty(xs.size, dtype)
             _host_acc("final", d, xs, b, "sum", div)
@@ -319,12 +385,17 @@ def test_accumulate_nan_and_signed_zeros(lib):
     for dtype in HALVES:
         code = DTYPES.index(dtype)
         hnan = [0x7E00, 0xFE00, 0x7C01, 0x7FFF] if dtype == F16 else [0x7FC0, 0xFFC0, 0x7F81, 0x7FFF]
-        a = np.array(hnan + [0x3C00 if dtype == F16 else 0x3F80] * 5 + [0x0000, 0x8000, 0x0000, 0x8000],
-                     np.uint16).view(dtype)
+        a = np.array(
+            hnan + [0x3C00 if dtype == F16 else 0x3F80] * 5 + [0x0000, 0x8000, 0x0000, 0x8000], np.uint16
+        ).view(dtype)
         b = np.concatenate([np.ones(4, np.float32), nans32, _bits_f32(0x80000000, 0x00000000, 0, 0x80000000)])
         n = a.size
-        for op, zeros in (("min", [0x0000, 0x8000, 0x0000, 0x8000]), ("max", [0x0000, 0x8000, 0x0000, 0x8000]),
-                          ("sum", [0x0000, 0x0000, 0x0000, 0x8000]), ("prod", [0x8000, 0x8000, 0x0000, 0x0000])):
+        for op, zeros in (
+            ("min", [0x0000, 0x8000, 0x0000, 0x8000]),
+            ("max", [0x0000, 0x8000, 0x0000, 0x8000]),
+            ("sum", [0x0000, 0x0000, 0x0000, 0x8000]),
+            ("prod", [0x8000, 0x8000, 0x0000, 0x0000]),
+        ):
             d32, h32 = np.empty(n, np.float32), np.empty(n, np.float32)
             dh, hh = np.empty(n, dtype), np.empty(n, dtype)
             lib.rc_host_reduce_acc(code, OPS.index(op), ptr(d32), ptr(a), ptr(b), n, 16)
@@ -388,7 +459,6 @@ def _convert(lib, kind: int, src: np.ndarray, out_dtype: Any) -> np.ndarray:
     return out
 
 
-
 def test_half_conversions_match_numpy(lib):
     every = np.arange(1 << 16, dtype=np.uint16)
     f = _convert(lib, 1, every, np.float32)
@@ -396,14 +466,18 @@ def test_half_conversions_match_numpy(lib):
     rng = np.random.default_rng(3)
     with np.errstate(invalid="ignore"):
         between = every.view(np.float16).astype(np.float32) * np.float32(1.0004883)
-    x = np.concatenate([
-        every.view(np.float16).astype(np.float32),                           # exact values
-        between,                                                             # between neighbours, ties
-        rng.standard_normal(100000).astype(np.float32) * np.float32(1e-5),    # subnormal range
-        rng.standard_normal(100000).astype(np.float32) * np.float32(3e4),     # overflow boundary
-        np.array([65504, 65519.996, 65520, 65536, 2.0**-25, 2.0**-24, 1.5 * 2.0**-24, 2.0**-14, np.inf, -np.inf],
-                 np.float32),
-    ])
+    x = np.concatenate(
+        [
+            every.view(np.float16).astype(np.float32),  # exact values
+            between,  # between neighbours, ties
+            rng.standard_normal(100000).astype(np.float32) * np.float32(1e-5),  # subnormal range
+            rng.standard_normal(100000).astype(np.float32) * np.float32(3e4),  # overflow boundary
+            np.array(
+                [65504, 65519.996, 65520, 65536, 2.0**-25, 2.0**-24, 1.5 * 2.0**-24, 2.0**-14, np.inf, -np.inf],
+                np.float32,
+            ),
+        ]
+    )
     x = x[~np.isnan(x)]
     with np.errstate(over="ignore"):
         want = x.astype(np.float16)
@@ -416,10 +490,12 @@ def test_bfloat16_conversions_match_ml_dtypes(lib):
     f = _convert(lib, 3, every, np.float32)
     np.testing.assert_array_equal(f[finite], every.view(ml_dtypes.bfloat16).astype(np.float32)[finite])
     rng = np.random.default_rng(4)
-    x = np.concatenate([
-        (rng.standard_normal(200000) * 10.0 ** rng.integers(-40, 38, 200000)).astype(np.float32),
-        (every[finite].view(ml_dtypes.bfloat16).astype(np.float32) * np.float32(1.00390625)),  # ties
-    ])
+    x = np.concatenate(
+        [
+            (rng.standard_normal(200000) * 10.0 ** rng.integers(-40, 38, 200000)).astype(np.float32),
+            (every[finite].view(ml_dtypes.bfloat16).astype(np.float32) * np.float32(1.00390625)),  # ties
+        ]
+    )
     x = x[np.isfinite(x)]
     np.testing.assert_array_equal(_convert(lib, 2, x, np.uint16), bits(x.astype(ml_dtypes.bfloat16)))
 
@@ -474,9 +550,19 @@ def test_fused_adam_matches_reference(lib, pdt):
                 p, m, v = p0.copy(), m0.copy(), v0.copy()
                 raw_o, out = guarded(odt or np.dtype(np.uint8), n, 1)
                 s = np.array([lr, b1, b2, eps, 1 - lr * wd, 1 - b1**step, 1 - b2**step, scale], np.float64)
-                rc = lib.rc_host_adam(DTYPES.index(pdt), DTYPES.index(gdt), -1 if odt is None else DTYPES.index(odt),
-                                      ptr(p), ptr(g), ptr(m), ptr(v), ptr(out) if odt is not None else 0, n, ptr(s),
-                                      int(rng.choice([16, 64])))
+                rc = lib.rc_host_adam(
+                    DTYPES.index(pdt),
+                    DTYPES.index(gdt),
+                    -1 if odt is None else DTYPES.index(odt),
+                    ptr(p),
+                    ptr(g),
+                    ptr(m),
+                    ptr(v),
+                    ptr(out) if odt is not None else 0,
+                    n,
+                    ptr(s),
+                    int(rng.choice([16, 64])),
+                )
                 assert rc == 0
                 rp, rm, rv = adam_reference(p0, g, m0, v0, lr, b1, b2, eps, wd, step, scale)
                 u = 2.0**-24 if pdt == np.float32 else 2.0**-53  # unit roundoff; atol: a few ulps of the inputs
@@ -501,14 +587,14 @@ def test_cupy_options_model_flushes_and_fuses(lib, lib_cupy):
     assert lib.rc_host_cupy_options() == 0 and lib_cupy.rc_host_cupy_options() == 1
     a, b, tiny = 1 + 2.0**-12, 1 + 2.0**-27, 2.0**-140  # a*a = 1 + 2^-11 + 2^-24: its float rounding drops 2^-24
     cases = [  # (probe, x, y, z, IEEE, under -ftz=true -fmad=true)
-        (0, a, a, -(1 + 2.0**-11), 0.0, 2.0**-24),       # x*y + z fused into one fma
-        (1, 2.0**-70, 2.0**-70, 0, 2.0**-140, 0.0),       # subnormal result flushed
-        (1, tiny, 1, 0, tiny, 0.0),                       # subnormal input flushed
+        (0, a, a, -(1 + 2.0**-11), 0.0, 2.0**-24),  # x*y + z fused into one fma
+        (1, 2.0**-70, 2.0**-70, 0, 2.0**-140, 0.0),  # subnormal result flushed
+        (1, tiny, 1, 0, tiny, 0.0),  # subnormal input flushed
         (2, tiny, 1, 0, tiny, 0.0),
-        (3, tiny, 0, 0, 2.0**-70, 0.0),                   # sqrtf
-        (4, tiny, 0, 0, tiny, 0.0),                       # (float)double
-        (5, tiny, 0, 0, tiny, 0.0),                       # (double)float
-        (6, b, b, -(1 + 2.0**-26), 0.0, 2.0**-54),        # double x*y + z fused too
+        (3, tiny, 0, 0, 2.0**-70, 0.0),  # sqrtf
+        (4, tiny, 0, 0, tiny, 0.0),  # (float)double
+        (5, tiny, 0, 0, tiny, 0.0),  # (double)float
+        (6, b, b, -(1 + 2.0**-26), 0.0, 2.0**-54),  # double x*y + z fused too
         (7, 2.0**-540, 2.0**-540, 0, 2.0**-1080, 2.0**-1080),  # no flush-to-zero for double
     ]
     for op, x, y, z, ieee, cupy in cases:
@@ -549,13 +635,35 @@ def test_fused_adam_bitwise_equals_host_adam(request, build, pdt):
                 raw_o, out_k = guarded(odt or np.dtype(np.uint8), n, 1)
                 out_h = np.empty(n, odt) if odt is not None else None
                 s = np.array([lr, b1, b2, eps, 1.0 - lr * wd, 1.0 - b1**step, 1.0 - b2**step, scale], np.float64)
-                rc = so.rc_host_adam(DTYPES.index(pdt), DTYPES.index(gdt), -1 if odt is None else DTYPES.index(odt),
-                                     ptr(kernel[0]), ptr(g), ptr(kernel[1]), ptr(kernel[2]),
-                                     ptr(out_k) if odt is not None else 0, n, ptr(s), int(rng.choice([16, 64])))
+                rc = so.rc_host_adam(
+                    DTYPES.index(pdt),
+                    DTYPES.index(gdt),
+                    -1 if odt is None else DTYPES.index(odt),
+                    ptr(kernel[0]),
+                    ptr(g),
+                    ptr(kernel[1]),
+                    ptr(kernel[2]),
+                    ptr(out_k) if odt is not None else 0,
+                    n,
+                    ptr(s),
+                    int(rng.choice([16, 64])),
+                )
                 assert rc == 0
                 with np.errstate(over="ignore"):  # out float16 may overflow to inf where v is 0
-                    adam_update(host[0], g, host[1], host[2], lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                weight_decay=wd, step=step, grad_scale=scale, out=out_h)
+                    adam_update(
+                        host[0],
+                        g,
+                        host[1],
+                        host[2],
+                        lr=lr,
+                        beta1=b1,
+                        beta2=b2,
+                        eps=eps,
+                        weight_decay=wd,
+                        step=step,
+                        grad_scale=scale,
+                        out=out_h,
+                    )
                 where = f"{build} build: master {pdt} grad {gdt} out {odt} step {step}"
                 for name, k, h in zip(("master", "exp_avg", "exp_avg_sq"), kernel, host):
                     np.testing.assert_array_equal(bits(k), bits(h), err_msg=f"{name}, {where}")

@@ -1,4 +1,5 @@
-"""The GPU tests (tests/gpu, tests/test_zero_gpu.py) on the CPU, through the CuPy stand-in in tests/emulated (no GPU needed).
+"""The GPU tests (tests/gpu, tests/test_zero_gpu.py) on the CPU, through the CuPy stand-in in tests/emulated
+(no GPU needed).
 
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
@@ -30,8 +31,12 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         tests = ["tests/gpu", "--ignore=tests/gpu/test_cuda_kernels.py", "-k", "not watchdog"]
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
-        tests = ["tests/gpu/test_cuda_topology.py", "tests/gpu/test_cuda_collectives.py", "-k",
-                 "mixed or every_op_and_dtype or back_to_back"]
+        tests = [
+            "tests/gpu/test_cuda_topology.py",
+            "tests/gpu/test_cuda_collectives.py",
+            "-k",
+            "mixed or every_op_and_dtype or back_to_back",
+        ]
     run = run_emulated(env, ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests], 900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail

@@ -94,9 +94,14 @@ def test_with_device_makes_it_current_and_restores_the_previous(emu):
 def test_an_invalid_ordinal_is_cudaErrorInvalidDevice(emu, use):
     """CuPy's Device(4) constructs (device.pyx checks nothing); using it fails in cudaSetDevice etc."""
     dev = emu.cuda.Device(4)
-    calls = {"use": dev.use, "with": lambda: dev.__enter__(), "setDevice": lambda: emu.cuda.runtime.setDevice(-1),
-             "pci_bus_id": lambda: dev.pci_bus_id, "properties": lambda: emu.cuda.runtime.getDeviceProperties(4),
-             "peer": lambda: emu.cuda.runtime.deviceCanAccessPeer(0, 4)}
+    calls = {
+        "use": dev.use,
+        "with": lambda: dev.__enter__(),
+        "setDevice": lambda: emu.cuda.runtime.setDevice(-1),
+        "pci_bus_id": lambda: dev.pci_bus_id,
+        "properties": lambda: emu.cuda.runtime.getDeviceProperties(4),
+        "peer": lambda: emu.cuda.runtime.deviceCanAccessPeer(0, 4),
+    }
     with pytest.raises(emu.cuda.runtime.CUDARuntimeError) as err:
         calls[use]()
     assert err.value.status == 101 and str(err.value) == "cudaErrorInvalidDevice: invalid device ordinal"
@@ -114,13 +119,16 @@ def test_each_device_has_its_own_pci_bus_id(emu):
 
 
 # ----------------------------------------------------------------------------------- peer access
-@pytest.mark.parametrize("rule,pairs", [
-    (None, {(i, j) for i in range(4) for j in range(4) if i != j}),
-    ("all", {(i, j) for i in range(4) for j in range(4) if i != j}),
-    ("none", set()),
-    ("0-1,2-3", {(0, 1), (1, 0), (2, 3), (3, 2)}),
-    ("0-1-2,3", {(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)}),
-])
+@pytest.mark.parametrize(
+    "rule,pairs",
+    [
+        (None, {(i, j) for i in range(4) for j in range(4) if i != j}),
+        ("all", {(i, j) for i in range(4) for j in range(4) if i != j}),
+        ("none", set()),
+        ("0-1,2-3", {(0, 1), (1, 0), (2, 3), (3, 2)}),
+        ("0-1-2,3", {(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)}),
+    ],
+)
 def test_peer_access_rules(emu, monkeypatch, rule, pairs):
     if rule is not None:
         monkeypatch.setenv("RINGCOMM_EMULATED_PEER_ACCESS", rule)
@@ -247,8 +255,11 @@ def test_a_kernel_touching_another_devices_memory_is_an_illegal_address(emu, har
         far = emu.arange(256, dtype=np.float32)
     near = emu.zeros(256, np.float32)
     dst, src = (far, near) if which == "dst" else (near, far)
-    with pytest.raises(RuntimeError, match=r"kernel ringcomm_copy on device 0 touches .* memory of device 1.*"
-                                           r"no peer access to device 1: an illegal memory access"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"kernel ringcomm_copy on device 0 touches .* memory of device 1.*"
+        r"no peer access to device 1: an illegal memory access",
+    ):
         k((1,), (512,), (dst.data.ptr, src.data.ptr, near.nbytes))
     emu.cuda.runtime.deviceEnablePeerAccess(1)  # now device 0 may touch device 1's memory
     k((1,), (512,), (dst.data.ptr, src.data.ptr, near.nbytes))
@@ -323,13 +334,23 @@ print(json.dumps(out))
 
 def _ipc(env: dict, exporter: int, importer: int, flags: int = 1, enable: bool = False, **extra: str) -> dict:
     env = {**env, "RINGCOMM_EMULATED_DEVICES": "4", **extra}
-    exp = subprocess.Popen([sys.executable, "-c", EXPORTER, str(exporter)], cwd=ROOT, env=env, text=True,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    exp = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER, str(exporter)],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         handle = exp.stdout.readline().strip()
         assert handle, exp.stderr.read()
-        run = run_emulated(env, ["python", "-c", IMPORTER, str(importer), str(exporter), handle, str(flags),
-                                 "1" if enable else "0"], 60)
+        run = run_emulated(
+            env,
+            ["python", "-c", IMPORTER, str(importer), str(exporter), handle, str(flags), "1" if enable else "0"],
+            60,
+        )
         assert run.returncode == 0, run.stderr[-4000:]
         return json.loads(run.stdout.strip().splitlines()[-1])
     finally:
@@ -406,8 +427,12 @@ def test_nccl_follows_the_device(emulated_gpu_env, tmp_path, placement):
     """Ranks on distinct devices have distinct bus ids, so an NCCL before 2.30 accepts them; ranks on
     one device are refused as several ranks on one GPU. A buffer of another device is refused as
     NCCL's CudaPtrCheck refuses it."""
-    env = {**emulated_gpu_env, "RINGCOMM_EMULATED_DEVICES": "2", "RINGCOMM_EMULATED_NCCL_VERSION": "2.27.7",
-           "NCCL_DEBUG": "WARN"}
+    env = {
+        **emulated_gpu_env,
+        "RINGCOMM_EMULATED_DEVICES": "2",
+        "RINGCOMM_EMULATED_NCCL_VERSION": "2.27.7",
+        "NCCL_DEBUG": "WARN",
+    }
     env.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
     run = run_emulated(env, ["mpiexec", "-n", "2", "python", "-c", NCCL, placement, str(tmp_path / "out")], 120)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -428,7 +453,9 @@ def test_the_default_is_one_device_shared_by_every_process(emulated_gpu_env):
     """Without the variables: one device, whose bus id is 0000:00:00.0 in every process."""
     env = {k: v for k, v in emulated_gpu_env.items() if not k.startswith("RINGCOMM_EMULATED_")}
     env["RINGCOMM_EMULATED_HARNESS"] = emulated_gpu_env["RINGCOMM_EMULATED_HARNESS"]
-    code = ("import cupy; rt = cupy.cuda.runtime; print(rt.getDeviceCount(), cupy.cuda.Device().pci_bus_id, "
-            "rt.deviceCanAccessPeer(0, 0))")
+    code = (
+        "import cupy; rt = cupy.cuda.runtime; print(rt.getDeviceCount(), cupy.cuda.Device().pci_bus_id, "
+        "rt.deviceCanAccessPeer(0, 0))"
+    )
     run = run_emulated(env, ["python", "-c", code], 60)
     assert run.returncode == 0 and run.stdout.split() == ["1", "0000:00:00.0", "0"], run.stderr

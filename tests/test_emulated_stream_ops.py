@@ -31,7 +31,8 @@ _names = itertools.count()
 
 def _load(name: str, path, package: bool = False):
     spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(path.parent)] if package else None)
+        name, path, submodule_search_locations=[str(path.parent)] if package else None
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -58,8 +59,12 @@ def gpu_one_work_queue(monkeypatch, emulated_gpu_env):
 def _stand_in(monkeypatch, emulated_gpu_env):
     monkeypatch.setenv("RINGCOMM_EMULATED_HARNESS", emulated_gpu_env["RINGCOMM_EMULATED_HARNESS"])
     monkeypatch.setenv("RINGCOMM_EMULATED_DEVICES", "2")
-    for var in ("RINGCOMM_EMULATED_PEER_ACCESS", "RINGCOMM_EMULATED_NO_STREAM_MEM_OPS",
-                "RINGCOMM_EMULATED_DRIVER_FAIL", "RINGCOMM_EMULATED_JITTER"):
+    for var in (
+        "RINGCOMM_EMULATED_PEER_ACCESS",
+        "RINGCOMM_EMULATED_NO_STREAM_MEM_OPS",
+        "RINGCOMM_EMULATED_DRIVER_FAIL",
+        "RINGCOMM_EMULATED_JITTER",
+    ):
         monkeypatch.delenv(var, raising=False)
     n = next(_names)
     cp = _load(f"_ringcomm_emulated_cupy_memops_{n}", EMULATED / "cupy" / "__init__.py", package=True)
@@ -68,9 +73,13 @@ def _stand_in(monkeypatch, emulated_gpu_env):
     cp.cuda.Device(0).use()
     d = drv
     yield types.SimpleNamespace(
-        cp=cp, d=d, ok=(d.CUresult.CUDA_SUCCESS,), GEQ=d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+        cp=cp,
+        d=d,
+        ok=(d.CUresult.CUDA_SUCCESS,),
+        GEQ=d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
         DEFAULT=d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
-        copy=cp.RawModule(code=COPY_SRC).get_function("ringcomm_copy"))
+        copy=cp.RawModule(code=COPY_SRC).get_function("ringcomm_copy"),
+    )
     with cp._lock:
         for s in list(cp.Stream._by_ptr.values()):
             s._queue.clear()
@@ -120,26 +129,39 @@ def _data(g, n: int = 256):
 def test_names_values_and_capabilities_are_cuda_bindings(gpu):
     d = gpu.d
     assert {m.name: int(m) for m in d.CUstreamWaitValue_flags} == {
-        "CU_STREAM_WAIT_VALUE_GEQ": 0, "CU_STREAM_WAIT_VALUE_EQ": 1, "CU_STREAM_WAIT_VALUE_AND": 2,
-        "CU_STREAM_WAIT_VALUE_NOR": 3, "CU_STREAM_WAIT_VALUE_FLUSH": 1 << 30}
+        "CU_STREAM_WAIT_VALUE_GEQ": 0,
+        "CU_STREAM_WAIT_VALUE_EQ": 1,
+        "CU_STREAM_WAIT_VALUE_AND": 2,
+        "CU_STREAM_WAIT_VALUE_NOR": 3,
+        "CU_STREAM_WAIT_VALUE_FLUSH": 1 << 30,
+    }
     assert {m.name: int(m) for m in d.CUstreamWriteValue_flags} == {
-        "CU_STREAM_WRITE_VALUE_DEFAULT": 0, "CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER": 1}
+        "CU_STREAM_WRITE_VALUE_DEFAULT": 0,
+        "CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER": 1,
+    }
     A = d.CUdevice_attribute  # noqa: N806
-    expected = {"CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1": (92, 0),
-                "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1": (93, 0),
-                "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V1": (94, 0),
-                "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES": (98, 0),
-                "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS": (122, 1),
-                "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR": (123, 1)}
+    expected = {
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1": (92, 0),
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1": (93, 0),
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V1": (94, 0),
+        "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES": (98, 0),
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS": (122, 1),
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR": (123, 1),
+    }
     for name, (value, answer) in expected.items():
         assert int(getattr(A, name)) == value, name
         for dev in (0, 1, d.CUdevice(1)):
             assert d.cuDeviceGetAttribute(getattr(A, name), dev) == (d.CUresult.CUDA_SUCCESS, answer), (name, dev)
-    for missing in ("CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V2",
-                    "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS"):
+    for missing in (
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V2",
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2",
+        "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS",
+    ):
         assert not hasattr(A, missing)  # CUDA 11.7/11.8 names; cuda-bindings 12/13 has none of them
     assert d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR, 2) == (
-        d.CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+        d.CUresult.CUDA_ERROR_INVALID_DEVICE,
+        None,
+    )
     assert d.cuDriverGetVersion() == (d.CUresult.CUDA_SUCCESS, 13000)
     assert d.cuInit(0) == (d.CUresult.CUDA_SUCCESS,)
 
@@ -161,8 +183,9 @@ WAITS = [  # bits, condition, value, memory values that hold the wait, one that 
 ]
 
 
-@pytest.mark.parametrize("bits,cond,value,holding,releasing", WAITS,
-                         ids=[f"{b}-{c}-{i}" for i, (b, c, *_) in enumerate(WAITS)])
+@pytest.mark.parametrize(
+    "bits,cond,value,holding,releasing", WAITS, ids=[f"{b}-{c}-{i}" for i, (b, c, *_) in enumerate(WAITS)]
+)
 def test_a_value_wait_holds_its_stream_until_the_condition_holds(gpu, bits, cond, value, holding, releasing):
     d = gpu.d
     mem, host = _flags(gpu, dtype=np.uint32 if bits == 32 else np.uint64)
@@ -345,8 +368,11 @@ def test_without_stream_memory_operations_every_call_is_not_supported(gpu, monke
     d, cp = gpu.d, gpu.cp
     monkeypatch.setenv("RINGCOMM_EMULATED_NO_STREAM_MEM_OPS", "1")
     A = d.CUdevice_attribute  # noqa: N806
-    for a in (A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR,
-              A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1):
+    for a in (
+        A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+        A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR,
+        A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1,
+    ):
         assert d.cuDeviceGetAttribute(a, 0) == (d.CUresult.CUDA_SUCCESS, 0)
     flags, host = _flags(gpu, dtype=np.uint64)
     s = cp.cuda.Stream()
@@ -412,9 +438,14 @@ def test_refusals_are_cudas(gpu, monkeypatch):
     assert direct_words[-1] == 3 and pinned_view[2] == 4
 
 
-@pytest.mark.parametrize("rule,enable,want", [("none", False, "CUDA_ERROR_INVALID_VALUE"),
-                                              ("all", False, "CUDA_ERROR_INVALID_VALUE"),
-                                              ("all", True, "CUDA_SUCCESS")])
+@pytest.mark.parametrize(
+    "rule,enable,want",
+    [
+        ("none", False, "CUDA_ERROR_INVALID_VALUE"),
+        ("all", False, "CUDA_ERROR_INVALID_VALUE"),
+        ("all", True, "CUDA_SUCCESS"),
+    ],
+)
 def test_memory_of_another_device_needs_peer_access(gpu, monkeypatch, rule, enable, want):
     """A stream of device 0 may use memory of device 1 only once device 0 enabled peer access to it
     (CUDA names no error for it: CUDA_ERROR_INVALID_VALUE is the emulation's choice)."""
@@ -425,8 +456,7 @@ def test_memory_of_another_device_needs_peer_access(gpu, monkeypatch, rule, enab
     s = cp.cuda.Stream()  # on device 0
     if enable:
         cp.cuda.runtime.deviceEnablePeerAccess(1)
-    assert d.cuStreamWriteValue32(d.CUstream(s.ptr), d.CUdeviceptr(far.data.ptr), 9, 0) == (
-        getattr(d.CUresult, want),)
+    assert d.cuStreamWriteValue32(d.CUstream(s.ptr), d.CUdeviceptr(far.data.ptr), 9, 0) == (getattr(d.CUresult, want),)
     s.synchronize()
     assert host[0] == (9 if want == "CUDA_SUCCESS" else 0)
 

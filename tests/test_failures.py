@@ -47,7 +47,9 @@ def test_mismatch_is_detected_on_every_rank():
     expect_mismatch(comm, count_differs, r"all_reduce: ranks disagree on the count \(rank 0: 11, rank 1: 10")
     expect_mismatch(comm, op_differs, r"ranks disagree on the op")
     expect_mismatch(comm, dtype_differs, r"ranks disagree on the dtype \(rank 0: float64, rank 1: float32")
-    expect_mismatch(comm, collective_differs, r"ranks disagree on the collective \(rank 0: broadcast, rank 1: all_reduce")
+    expect_mismatch(
+        comm, collective_differs, r"ranks disagree on the collective \(rank 0: broadcast, rank 1: all_reduce"
+    )
     expect_mismatch(comm, root_differs, r"ranks disagree on the root \(rank 0: 0, rank 1: 1")
 
 
@@ -58,7 +60,9 @@ def test_call_sequence_mismatch():
     comm.all_reduce(np.ones(4))
     if comm.rank == 0:
         comm._seq += 1  # as if rank 0 had made one more checked call than its peers
-    expect_mismatch(comm, lambda: comm.all_reduce(np.ones(4)), r"ranks disagree on the call number \(rank 0: 3, rank 1: 2")
+    expect_mismatch(
+        comm, lambda: comm.all_reduce(np.ones(4)), r"ranks disagree on the call number \(rank 0: 3, rank 1: 2"
+    )
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
@@ -104,8 +108,10 @@ def test_barrier_is_checked_and_a_missing_peer_at_creation_times_out():
     if comm.rank == 0:
         call = comm.barrier
     else:
+
         def call():
             comm.all_reduce(np.ones(4))
+
     expect_mismatch(comm, call, r"ranks disagree on the collective \(rank 0: barrier, rank 1: all_reduce")
     comm.barrier()
     if comm.rank == 0:

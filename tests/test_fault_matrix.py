@@ -37,8 +37,19 @@ def _env(device: str, request) -> dict:
 
 def _matrix(env: dict, n: int, device: str, tmp_path) -> dict:
     out = tmp_path / "matrix.json"
-    cmd = ["mpiexec", "-n", str(n), "python", str(ROOT / "tests" / "fault_matrix.py"), "--device", device,
-           "--timeout", str(TIMEOUT), "--json", str(out)]
+    cmd = [
+        "mpiexec",
+        "-n",
+        str(n),
+        "python",
+        str(ROOT / "tests" / "fault_matrix.py"),
+        "--device",
+        device,
+        "--timeout",
+        str(TIMEOUT),
+        "--json",
+        str(out),
+    ]
     run = run_emulated(env, cmd, 300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return json.loads(out.read_text())
@@ -83,9 +94,23 @@ def test_a_peer_that_exits_ends_the_job(device, request):
     env = _env(device, request)
     for code in (3, 0):
         t0 = time.monotonic()
-        run = run_emulated({**env, "FAULT_EXIT_CODE": str(code)},
-                           ["mpiexec", "-n", "3", "python", str(ROOT / "tests" / "fault_matrix.py"), "--device", device,
-                            "--timeout", str(TIMEOUT), "--case", "exit"], TIMEOUT + 60)
+        run = run_emulated(
+            {**env, "FAULT_EXIT_CODE": str(code)},
+            [
+                "mpiexec",
+                "-n",
+                "3",
+                "python",
+                str(ROOT / "tests" / "fault_matrix.py"),
+                "--device",
+                device,
+                "--timeout",
+                str(TIMEOUT),
+                "--case",
+                "exit",
+            ],
+            TIMEOUT + 60,
+        )
         took = time.monotonic() - t0
         assert run.returncode in ((code, 9) if code else (0, 9)), (code, run.returncode, run.stdout, run.stderr)
         assert took < TIMEOUT + 5 + 10, f"exit {code}: the job took {took:.1f} s (start-up included)"

@@ -29,8 +29,15 @@ def _run(env_extra: dict, tmp_path: Path, timeout: float = 60) -> tuple[int, str
     for name in ("GPU_CHECK_BUDGET", "CUDA_MPS_PIPE_DIRECTORY", "WHEELS"):
         if name not in env_extra:
             env.pop(name, None)
-    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -84,7 +91,8 @@ def test_setup_dry_run_prints_what_the_results_depend_on(tmp_path):
     assert re.search(r"budget 420s; the steps' limits add up to (\d+)s", out), out
     want = [
         r"GPU: nvidia-smi not found \(compute mode and driver unknown\)"
-        if shutil.which("nvidia-smi") is None else r"GPU \(index, name, memory, driver, compute mode",
+        if shutil.which("nvidia-smi") is None
+        else r"GPU \(index, name, memory, driver, compute mode",
         r"MPS: (no control daemon|a control daemon runs)",
         r"/dev/shm: \S+ size, \S+ free",
         r"CUDA: driver supports 13\.0, runtime 13\.0; CuPy 0\.0\+ringcomm-emulated; 1 GPU\(s\)",
@@ -106,8 +114,11 @@ def test_something_missing_stops_the_check_with_one_line(tmp_path):
     assert rc == 2, out
     lines = [line for line in out.splitlines() if "MISSING" in line and "gpu_check:" in line]
     assert len(lines) == 1 and lines[0] == out.strip().splitlines()[-1], out
-    assert re.search(r"gpu_check: MISSING mpi-pytest: carry the wheels \(the pip download command at the top of "
-                     r"benchmarks/gpu_check.sh\) in wheels/ and rerun$", lines[0]), lines[0]
+    assert re.search(
+        r"gpu_check: MISSING mpi-pytest: carry the wheels \(the pip download command at the top of "
+        r"benchmarks/gpu_check.sh\) in wheels/ and rerun$",
+        lines[0],
+    ), lines[0]
     # the command at the top names the wheels the H200 image lacks, and its header every other one the set-up
     # requires, with a version
     lines = SCRIPT.read_text().splitlines()
@@ -115,6 +126,14 @@ def test_something_missing_stops_the_check_with_one_line(tmp_path):
     for wheel in ("mpich", "mpi4py", "mpi-pytest"):
         assert re.search(rf" {re.escape(wheel)}==\S+", command), wheel
     header = " ".join(line for line in lines[:30] if line.startswith("#"))
-    for wheel in ("ml_dtypes", "pytest", "iniconfig", "packaging", "pluggy", "pygments", "cuda-bindings",
-                  "cuda-pathfinder"):
+    for wheel in (
+        "ml_dtypes",
+        "pytest",
+        "iniconfig",
+        "packaging",
+        "pluggy",
+        "pygments",
+        "cuda-bindings",
+        "cuda-pathfinder",
+    ):
         assert re.search(rf" {re.escape(wheel)}==\S+", header), wheel

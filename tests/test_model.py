@@ -32,8 +32,11 @@ def test_two_ranks_one_node_all_reduce_is_the_closed_form():
     assert p.steps == 2 and rel(p.time, want) < 1e-12
     assert rel(p.algbw, s / want) < 1e-12 and rel(p.busbw, s / want) < 1e-12  # 2(N-1)/N = 1 at N = 2
     # with overlap (a GPU kernel reading the peer while it reduces) the reduction hides behind the wire
-    q = predict("all_reduce", s, Topology(nodes=1, gpus_per_node=2, intra=Link(bw, lat), overhead=alpha,
-                                          mem_bw=mem, overlap=True))
+    q = predict(
+        "all_reduce",
+        s,
+        Topology(nodes=1, gpus_per_node=2, intra=Link(bw, lat), overhead=alpha, mem_bw=mem, overlap=True),
+    )
     assert rel(q.time, 2 * (alpha + lat + c / bw)) < 1e-12
 
 
@@ -105,8 +108,13 @@ def test_multi_node_ring_is_bounded_by_one_nic_and_rings_in_parallel_use_all_nic
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 9])
 def test_busbw_is_nccl_tests_definition_for_every_collective(n):
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-              "broadcast": 1.0, "reduce": 1.0}
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+    }
     topo = Topology(gpus_per_node=n, intra=Link(30e9, 1e-6), overhead=4e-6, mem_bw=90e9)
     for coll in COLLECTIVES:
         p = predict(coll, 3 * MiB, topo)
@@ -149,12 +157,30 @@ def bench_json(path: Path, n: int, alpha: float, beta: float, cores: int, nodes:
     rows = []
     for size in (64 << 10, MiB, 16 * MiB, 64 * MiB):
         t = predict("all_reduce", size, host_topology(n, alpha, beta, cores)).time
-        res = {"time_us": t * 1e6, "algbw": size / t / 1e9, "busbw": 0.0, "wrong": 0, "iters": 20, "warmup": 5,
-               "ratio": None, "note": None}
+        res = {
+            "time_us": t * 1e6,
+            "algbw": size / t / 1e9,
+            "busbw": 0.0,
+            "wrong": 0,
+            "iters": 20,
+            "warmup": 5,
+            "ratio": None,
+            "note": None,
+        }
         for impl in ("ringcomm", "mpi"):
-            rows.append({"collective": "all_reduce", "count": size // 4, "type": "float", "redop": "sum", "root": -1,
-                         "impl": impl, "results": {"out-of-place": res, "in-place": dict(res, time_us=None)},
-                         "mark": "", "size": size})
+            rows.append(
+                {
+                    "collective": "all_reduce",
+                    "count": size // 4,
+                    "type": "float",
+                    "redop": "sum",
+                    "root": -1,
+                    "impl": impl,
+                    "results": {"out-of-place": res, "in-place": dict(res, time_us=None)},
+                    "mark": "",
+                    "size": size,
+                }
+            )
     env = {"ranks": n, "nodes": nodes, "ranks_per_node": n, "device": "host"}
     path.write_text(json.dumps({"environment": env, "settings": {}, "rows": rows}))
     return path
@@ -168,9 +194,34 @@ def test_load_measurements_reads_ringcomm_rows_of_bench_json(tmp_path):
 
 
 def test_cli_predict_fit_h200_sources(tmp_path, capsys):
-    assert model.main(["predict", "--collective", "all_reduce", "--size", "1M,64M", "--nodes", "2",
-                       "--gpus-per-node", "8", "--intra-bw", "450e9", "--intra-lat", "2e-6", "--inter-bw", "50e9",
-                       "--inter-lat", "5e-6", "--overhead", "5e-6", "--channels", "1"]) == 0
+    assert (
+        model.main(
+            [
+                "predict",
+                "--collective",
+                "all_reduce",
+                "--size",
+                "1M,64M",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "8",
+                "--intra-bw",
+                "450e9",
+                "--intra-lat",
+                "2e-6",
+                "--inter-bw",
+                "50e9",
+                "--inter-lat",
+                "5e-6",
+                "--overhead",
+                "5e-6",
+                "--channels",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| collective | size | ranks | rings | steps | time (us) | algbw (GB/s) | busbw (GB/s) |" in out
     assert "| all_reduce | 64 MiB | 16 | 1 | 30 |" in out and "inter" in out
@@ -179,7 +230,9 @@ def test_cli_predict_fit_h200_sources(tmp_path, capsys):
     assert model.main(["fit", *files, "--cores", "2"]) == 0
     out = capsys.readouterr().out
     assert "alpha = 19.00 us per step, beta = 36.00 GB/s" in out
-    assert "| collective | size | N | mode | measured busbw (GB/s) | predicted busbw (GB/s) | ratio (pred/meas) |" in out
+    assert (
+        "| collective | size | N | mode | measured busbw (GB/s) | predicted busbw (GB/s) | ratio (pred/meas) |" in out
+    )
     assert out.count("| 1.00 |") == 12  # 4 sizes x N = 2, 3, 4, out-of-place only (in-place has no time)
     # fitted to N = 2 alone, N = 3 and 4 shown beside it: ranks sharing 2 cores slower than the model says
     slow = str(bench_json(tmp_path / "slow4.json", 4, 2 * 19e-6, 36e9 / 2, 2))
@@ -202,8 +255,13 @@ def test_cli_predict_fit_h200_sources(tmp_path, capsys):
 
 
 def test_module_runs_as_a_command():
-    r = subprocess.run([sys.executable, "-m", "ringcomm.model", "predict", "--size", "64M"], check=False,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "ringcomm.model", "predict", "--size", "64M"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "| all_reduce | 64 MiB | 8 | 1 | 14 |" in r.stdout
 
@@ -217,9 +275,13 @@ def test_published_figures_name_their_sources_and_cover_each_system():
 
 def test_defaults_mirror_the_communicators():
     tree = ast.parse((Path(model.__file__).parent / "communicator.py").read_text())
-    values = {t.id: eval(compile(ast.Expression(node.value), "communicator.py", "eval"), {}) for node in tree.body if isinstance(node, ast.Assign)
-              for t in node.targets if isinstance(t, ast.Name) and t.id.startswith("DEFAULT_")
-              and isinstance(node.value, (ast.Constant, ast.BinOp))}
+    values = {
+        t.id: eval(compile(ast.Expression(node.value), "communicator.py", "eval"), {})
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name) and t.id.startswith("DEFAULT_") and isinstance(node.value, (ast.Constant, ast.BinOp))
+    }
     assert values["DEFAULT_SLICE_BYTES"] == model.SLICE_BYTES
     assert values["DEFAULT_SMALL_BYTES"] == model.SMALL_BYTES
 

@@ -24,7 +24,7 @@ def test_a_plan_follows_the_address_not_the_array():
     """Fresh views at one address run one plan; other addresses get their own; every result is exact."""
     mpi = MPI.COMM_WORLD
     comm = make_comm(small_bytes=1024, shared_memory=False)
-    n, count = comm.size, _ring_count(comm.size)
+    count = _ring_count(comm.size)
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
     pool = np.zeros(3 * count + 64, np.int64)
     out = np.zeros(count, np.int64)
@@ -56,7 +56,10 @@ def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
         lo, hi = comm.shard_bounds(count)[r]
         assert np.allclose(comm.reduce_scatter(x), reference(xs, ReduceOp.SUM)[lo:hi], rtol=1e-12, atol=1e-12)
         full = comm.all_gather(x[lo:hi].copy())
-        assert full.tobytes() == np.concatenate([xs[i][b[0] : b[1]] for i, b in enumerate(comm.shard_bounds(count))]).tobytes()
+        assert (
+            full.tobytes()
+            == np.concatenate([xs[i][b[0] : b[1]] for i, b in enumerate(comm.shard_bounds(count))]).tobytes()
+        )
         b = x.copy()
         comm.broadcast(b, root=k % n)
         assert b.tobytes() == xs[k % n].tobytes()
@@ -97,7 +100,7 @@ def test_broadcasts_and_all_gathers_take_a_plans_lane_where_its_arrays_lie(share
     pool = np.zeros(2 * count + 8)
     lo, hi = comm.shard_bounds(count)[r]
     for k in range(8):
-        at = pool[(k // 4) * count:][:count]  # two addresses, four calls each, a fresh view every call
+        at = pool[(k // 4) * count :][:count]  # two addresses, four calls each, a fresh view every call
         for root in range(n):
             at[...] = rng.standard_normal(count)
             want = gather_all(mpi, at)[root]
@@ -227,11 +230,13 @@ def _two_rank_script(name: str, nbytes: str) -> str:
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
-    run = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), nbytes], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        ["mpiexec", "-n", "2", sys.executable, str(script), nbytes], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    bad = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "run with 2 ranks" in bad.stderr
     return run.stdout
 
@@ -260,8 +265,10 @@ def test_after_an_agreement_mismatch_small_all_reduces_still_match():
     mpi = MPI.COMM_WORLD
     r, n = mpi.rank, mpi.size
     comm = make_comm(check=True)
-    for bad in (lambda: comm.all_reduce(np.ones(11 if r == 0 else 10, np.float32)),
-                lambda: comm.barrier() if r == 0 else comm.all_reduce(np.ones(6, np.float32))):
+    for bad in (
+        lambda: comm.all_reduce(np.ones(11 if r == 0 else 10, np.float32)),
+        lambda: comm.barrier() if r == 0 else comm.all_reduce(np.ones(6, np.float32)),
+    ):
         with pytest.raises(ringcomm.MismatchError):
             bad()
         for count in (10, 6, 4, 10):

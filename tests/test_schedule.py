@@ -24,7 +24,7 @@ def test_partition_covers_the_buffer_in_aligned_balanced_ranges(count, n):
         assert a <= b == c
     sizes = [b - a for a, b in bounds]
     assert max(sizes) - min(sizes) < 2 * ALIGN
-    for a, b in bounds:
+    for a, _ in bounds:
         assert a % ALIGN == 0 or a == count
     # sizes never grow with the rank: empty shards (small counts) are the last ranks'
     assert sizes == sorted(sizes, reverse=True)
@@ -66,7 +66,7 @@ def test_all_reduce_reduce_scatter_all_gather_simulated(n, count, op, seed):
     # all-gather: rank r starts with only its own chunk; everybody ends with everything
     ag_in = [np.where(np.isin(np.arange(count), np.arange(*bounds[r])), out[0], np.nan) for r in range(n)]
     steps = [schedule.all_gather(n, r) for r in range(n)]
-    for r, res in enumerate(simulate(steps, ag_in, bounds)):
+    for res in simulate(steps, ag_in, bounds):
         assert res.tobytes() == out[0].tobytes()
 
 
@@ -186,3 +186,20 @@ def test_printed_ring(capsys):
     assert "  edge 0 -> 2: inside node a" in out
     assert "  edge 2 -> 1: node a -> node b" in out
     assert out[-1] == "2 of 4 edges leave a node"
+
+
+def test_the_printed_schedule_is_all_a_new_user_sees():
+    """`python -m ringcomm.schedule` (the README's first command) prints its table and nothing else:
+    no runpy warning about the package having imported the module first."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "ringcomm.schedule", "--ranks", "5", "--collective", "all_reduce"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("all_reduce on a ring of 5 ranks"), done.stdout
+    assert len(done.stdout.splitlines()) == 3 + 2 * (5 - 1) + 1, done.stdout  # legend, header, steps, last line

@@ -30,8 +30,9 @@ def _counts(n: int, small: int) -> tuple[int, ...]:
     return (0, 1, n - 1 or 1, 16 * n + 3, small // 4, small // 4 + 1, 40_003)
 
 
-def _assert_the_rings_bits(shared: ringcomm.Communicator, ring: ringcomm.Communicator, x: np.ndarray, op: ReduceOp,
-                           reference: bool) -> None:
+def _assert_the_rings_bits(
+    shared: ringcomm.Communicator, ring: ringcomm.Communicator, x: np.ndarray, op: ReduceOp, reference: bool
+) -> None:
     """``shared``'s all-reduce of ``x``, out of place and in place, is bitwise ``ring``'s and the same on
     every rank; with ``reference``, within float64's reduction of every rank's ``x``."""
     mpi = MPI.COMM_WORLD
@@ -86,7 +87,11 @@ def test_all_reduces_beyond_the_inbox_run_in_pieces_bitwise_the_ring():
     rng = np.random.default_rng([shared_seed(mpi), mpi.rank, 2])
     for dtype in map(np.dtype, DTYPES[:5]):
         for count in (inbox // dtype.itemsize + 1, 5 * inbox // dtype.itemsize // 2 + 7):
-            ops = ReduceOp if dtype == np.float32 else (ReduceOp.SUM, ReduceOp.MAX if dtype.kind in "iu" else ReduceOp.AVG)
+            ops = (
+                ReduceOp
+                if dtype == np.float32
+                else (ReduceOp.SUM, ReduceOp.MAX if dtype.kind in "iu" else ReduceOp.AVG)
+            )
             for op in ops:
                 _assert_the_rings_bits(shared, ring, random_input(rng, count, dtype, op), op, dtype == np.float32)
     pieces = sorted(p.steps // 2 for p in shared._plans.values() if isinstance(p, SharedDirectPlan))
@@ -134,8 +139,9 @@ def test_shared_broadcasts_are_the_roots_buffer():
     kinds, inbox = set(), False
     for dtype in (np.float32, np.float16, np.dtype(ml_dtypes.bfloat16), np.float64, np.uint8):
         size = np.dtype(dtype).itemsize
-        for count in sorted({0, 1, n - 1 or 1, 16 * n + 3, small // size, small // size + 1, direct // size,
-                             direct // size + 1}):
+        for count in sorted(
+            {0, 1, n - 1 or 1, 16 * n + 3, small // size, small // size + 1, direct // size, direct // size + 1}
+        ):
             for root in range(n):
                 x = rng.integers(0, 100, count).astype(dtype)
                 want = mpi.bcast(x if mpi.rank == root else None, root)
@@ -171,11 +177,24 @@ def test_shared_reduce_scatters_reduces_and_all_gathers_are_bitwise_the_ring_and
     def check(ok: bool, what: str) -> None:
         if not ok:
             wrong.append(f"rank {r}: {what}")
+
     for dtype in (np.float32, np.float16, np.dtype(ml_dtypes.bfloat16), np.float64, np.int32):
         size = np.dtype(dtype).itemsize
         beyond = n * (direct // size) + 1  # a shard beyond the inbox: the ring
-        for count in sorted({0, 1, n - 1 or 1, 16 * n + 3, small // size, small // size + 1, n * (small // size) + 1,
-                             direct // size, direct // size + 1, beyond}):
+        for count in sorted(
+            {
+                0,
+                1,
+                n - 1 or 1,
+                16 * n + 3,
+                small // size,
+                small // size + 1,
+                n * (small // size) + 1,
+                direct // size,
+                direct // size + 1,
+                beyond,
+            }
+        ):
             bounds = comm.shard_bounds(count)
             lo, hi = bounds[r]
             root = count % n  # (one reduce plan per count in the cache)
@@ -212,17 +231,24 @@ def test_shared_reduce_scatters_reduces_and_all_gathers_are_bitwise_the_ring_and
             whole[lo:hi] = shard
             check(comm.all_gather(whole[lo:hi], out=whole).tobytes() == want.tobytes(), f"in place {count} {dtype}")
             mine = random_input(rng, int(rng.integers(0, count + 1)), np.dtype(dtype), ReduceOp.SUM)  # any sizes
-            check(comm.all_gather(mine).tobytes() == np.concatenate(gather_all(mpi, mine)).tobytes(), f"out=None {count}")
-            windowed = {key[0]: plan.shared.twice for key, plan in comm._plans.items()  # (emptied when full)
-                        if key[2] == np.dtype(dtype) and key[3][-1][1] == count and key[-1] == "shared"}
+            check(
+                comm.all_gather(mine).tobytes() == np.concatenate(gather_all(mpi, mine)).tobytes(), f"out=None {count}"
+            )
+            windowed = {
+                key[0]: plan.shared.twice
+                for key, plan in comm._plans.items()  # (emptied when full)
+                if key[2] == np.dtype(dtype) and key[3][-1][1] == count and key[-1] == "shared"
+            }
             if count == beyond:
                 check(windowed == {}, f"beyond the inbox: {windowed}")
             elif count:
                 kinds.add(tuple(sorted(windowed.items())))
     assert sum(mpi.allgather(wrong), []) == []
     slots, inboxes = (False,) * 3, (True,) * 3
-    assert {tuple(zip(("all_gather", "reduce", "reduce_scatter"), twice))  # in slots, in inboxes
-            for twice in (slots, (False, True, True), inboxes)} <= kinds, kinds
+    assert {
+        tuple(zip(("all_gather", "reduce", "reduce_scatter"), twice))  # in slots, in inboxes
+        for twice in (slots, (False, True, True), inboxes)
+    } <= kinds, kinds
     comm.close()
     ring.close()
 
@@ -244,6 +270,7 @@ def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeyp
             if r != 0 and slow.random() < 0.3:
                 time.sleep(0.002)
             return method(*args, **kw)
+
         return call
 
     monkeypatch.setattr(host, "copy", late(host.copy))
@@ -264,7 +291,9 @@ def test_shared_places_are_never_rewritten_while_a_rank_still_reads_them(monkeyp
             assert (x == call * n + call % n).all(), f"broadcast {call}"
         elif kind == 3:
             got = comm.reduce(x, "sum", call % n)
-            assert got is None if r != call % n else (got == sum(call * n + q for q in range(n))).all(), f"reduce {call}"
+            assert got is None if r != call % n else (got == sum(call * n + q for q in range(n))).all(), (
+                f"reduce {call}"
+            )
         else:  # (beyond the slots: two and a half inboxes, in 3 pieces)
             x = x if count == 100 else np.full(5 * inbox // 2, call * n + r, np.float64)
             got = comm.all_reduce(x) if call % 2 else comm.all_reduce(x, out=np.empty_like(x))
@@ -352,8 +381,10 @@ def test_ranks_whose_small_bytes_differ_meet_in_the_window_and_mismatch():
     buffer that one rank gathers (small_bytes above it) and the other reduces directly is a
     MismatchError (or both run the direct all-reduce and agree), not a timeout."""
     mpi = MPI.COMM_WORLD
-    cases = (((65536, 0), 1000),  # slots against the inbox: MismatchError on both
-             ((2 << 20, 65536), 300_000))  # beyond the slots (1 MiB) on both: the inbox on both
+    cases = (
+        ((65536, 0), 1000),  # slots against the inbox: MismatchError on both
+        ((2 << 20, 65536), 300_000),
+    )  # beyond the slots (1 MiB) on both: the inbox on both
     for small, count in cases:
         comm = make_comm(timeout=5, small_bytes=small[mpi.rank])
         start = time.monotonic()
@@ -378,6 +409,7 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
     rank whose sends complete at once may return. See README, "What only check=True catches".)"""
     mpi = MPI.COMM_WORLD
     r, n = mpi.rank, mpi.size
+
     def across(c, size, outside=0):  # a count just within the window, on every rank but ``outside`` beyond it
         return np.ones(size // 4 + (64 if r == outside else 0), np.float32)
 
@@ -388,7 +420,10 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
     cases = (
         ("all_reduce", lambda c, d, s: c.all_reduce(across(c, c._window_limit("all_reduce")))),
         ("broadcast", lambda c, d, s: c.broadcast(across(c, c._window_limit("broadcast")), 0)),
-        ("broadcast", lambda c, d, s: c.broadcast(across(c, c._window_limit("broadcast"), outside=1), 0)),  # (nothing is sent)
+        (
+            "broadcast",
+            lambda c, d, s: c.broadcast(across(c, c._window_limit("broadcast"), outside=1), 0),
+        ),  # (nothing is sent)
         ("reduce_scatter", lambda c, d, s: c.reduce_scatter(across(c, d))),
         ("all_gather", lambda c, d, s: gather_in_place(c, across(c, n * c._window_limit("all_gather")))),
         ("reduce", lambda c, d, s: c.reduce(across(c, d))),  # (the root outside)
@@ -412,8 +447,9 @@ def test_a_call_in_the_window_on_one_rank_and_outside_it_on_another_is_a_mismatc
         assert "MismatchError" in seen and "TimeoutError" not in seen, (name, seen)
         # (ranks of a chain whose sends completed at once may return: the root of a broadcast, the
         # senders of a reduce, which receive nothing or what they expected)
-        assert all(s or (rank == 0) == (name == "broadcast") and name in ("broadcast", "reduce")
-                   for rank, s in enumerate(seen)), (name, seen)
+        assert all(
+            s or (rank == 0) == (name == "broadcast") and name in ("broadcast", "reduce") for rank, s in enumerate(seen)
+        ), (name, seen)
         assert max(mpi.allgather(took)) < 5, (name, took)
         with contextlib.suppress(ringcomm.RingcommError):
             comm.close()  # (a chain's first rank learns of the abort here)
@@ -573,7 +609,9 @@ def test_the_fast_lane_checks_overlap_on_every_call_and_numbers_its_calls():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_all_reduces_stay_in_the_window_in_pieces_and_other_calls_leave_it_where_the_ring_is_faster(caplog, monkeypatch):
+def test_all_reduces_stay_in_the_window_in_pieces_and_other_calls_leave_it_where_the_ring_is_faster(
+    caplog, monkeypatch
+):
     """An all-reduce runs in the window at every size while an inbox holds N runs of
     SHARED_PIECE_BYTES: in one piece (2 waits) up to the inbox, in two beyond it; in a smaller
     window it leaves it beyond the inbox (the ring at 2 ranks, the direct exchange at 3 or more).
@@ -582,20 +620,27 @@ def test_all_reduces_stay_in_the_window_in_pieces_and_other_calls_leave_it_where
     inbox; broadcasts at 2 ranks up to the slots and their pair limit (the chain's one message
     beyond), at 3 or more up to the inbox."""
     default = communicator.SHARED_BYTES
-    for size in (256 << 10, default):  # (the smaller inbox does not hold N runs of SHARED_PIECE_BYTES, the default does)
+    for size in (
+        256 << 10,
+        default,
+    ):  # (the smaller inbox does not hold N runs of SHARED_PIECE_BYTES, the default does)
         monkeypatch.setattr(communicator, "SHARED_BYTES", size)
         comm = make_comm()
         n, inbox = comm.size, comm.shared_memory()[1]
         pieces = inbox // n >= communicator.SHARED_PIECE_BYTES
         assert pieces == (size == default) and comm._window_limit("all_reduce") == (math.inf if pieces else inbox)
-        beyond = ("direct (shared memory)", 4) if pieces else ("direct" if n > 2 else "ring", 2 if n > 2 else 2 * (n - 1))
+        beyond = (
+            ("direct (shared memory)", 4) if pieces else ("direct" if n > 2 else "ring", 2 if n > 2 else 2 * (n - 1))
+        )
         for nbytes, (algorithm, steps) in ((inbox, ("direct (shared memory)", 2)), (inbox + 64, beyond)):
             x = np.ones(nbytes // 4, np.float32)
             caplog.clear()
             with caplog.at_level(logging.DEBUG, logger="ringcomm"):
                 assert (comm.all_reduce(x) == n).all()
             assert f"algorithm={algorithm} transport" in caplog.text and f"steps={steps} " in caplog.text, (
-                nbytes, caplog.text)
+                nbytes,
+                caplog.text,
+            )
         if not pieces:
             comm.close()
     # counts a header cannot carry (shm.COUNT_LIMIT, 2**31) leave the window: here a limit of 20000 elements
@@ -653,7 +698,9 @@ def test_the_broadcast_lane_is_the_roots_buffer_and_refuses_what_the_full_path_r
             assert comm.broadcast(x, root) is x and x.tobytes() == want.tobytes(), (k, dtype)
             y = x.reshape(1, -1).copy()  # (2-D, contiguous: the lane too)
             assert comm.broadcast(y, root) is y and y.tobytes() == want.tobytes()
-    assert set(comm._lanes) == {("broadcast", c, np.dtype(d), q) for d, c in ((np.float32, 13), (np.uint8, 5)) for q in range(n)}
+    assert set(comm._lanes) == {
+        ("broadcast", c, np.dtype(d), q) for d, c in ((np.float32, 13), (np.uint8, 5)) for q in range(n)
+    }
     assert comm._calls == 3 * n * 4 and len(launched) == 2 * n  # the first of each count, dtype and root
     x = np.ones(13, np.float32)
     with pytest.raises(ValueError, match="root must be an integer rank"):
@@ -734,7 +781,7 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
     assert launched.count("reduce") == 2 * min(n, 4) + 8, launched.count("reduce")
     x = np.ones(count, np.float32)
     for _ in range(2):  # (out aliases x: folded apart, then copied, in the lane as in the full path, but at 2
-        x[...] = 1      # ranks x's own shard is folded into at once: one op, whose last operand it is)
+        x[...] = 1  # ranks x's own shard is folded into at once: one op, whose last operand it is)
         assert (comm.reduce_scatter(x, out=x[lo:hi]) == n).all() and (np.delete(x, range(lo, hi)) == 1).all()
     assert launched.count("reduce_scatter") == 2
     scratches, scratch = [], comm._scratch_array
@@ -760,9 +807,9 @@ def test_the_lanes_of_reduce_scatters_reduces_and_all_gathers_are_the_full_paths
         assert (whole == n + k).all()  # (every rank's shard, reduced in place above)
     assert launched.count("all_gather") == 1
     buf = np.zeros(count + 8, np.float32)
-    whole = buf[4:count + 4]
+    whole = buf[4 : count + 4]
     elsewhere = (lo + 4) % (count - (hi - lo) + 1)  # another place in out, or over it from out's start
-    for shard in (buf[lo + 3:hi + 3], whole[elsewhere:elsewhere + hi - lo] if elsewhere != lo else buf[:hi - lo]):
+    for shard in (buf[lo + 3 : hi + 3], whole[elsewhere : elsewhere + hi - lo] if elsewhere != lo else buf[: hi - lo]):
         with pytest.raises(ValueError, match="shard overlaps out but is not out"):
             comm.all_gather(shard, out=whole)
     big = np.ones(count + 16, np.float32)

@@ -8,8 +8,8 @@ from conftest import make_comm
 from mpi4py import MPI
 
 import ringcomm
-from ringcomm.devices import HostDevice
 from ringcomm import ReduceOp
+from ringcomm.devices import HostDevice
 from ringcomm.ops import parse_op
 
 

@@ -22,8 +22,16 @@ from hypothesis import strategies as st
 import ringcomm
 from ringcomm.schedule import ALIGN, partition
 from ringcomm.zero import (
-    CheckpointError, FlatLayout, LossScaler, ZeroShardManager, adam_update, consolidate, estimate_memory, formula,
-    memory_breakdown, parse_count,
+    CheckpointError,
+    FlatLayout,
+    LossScaler,
+    ZeroShardManager,
+    adam_update,
+    consolidate,
+    estimate_memory,
+    formula,
+    memory_breakdown,
+    parse_count,
 )
 from ringcomm.zero.__main__ import main as cli_main
 from ringcomm.zero.adam import HOST_CHUNK
@@ -64,8 +72,20 @@ def test_adam_update_matches_torch_formula(seed):
         scale = 1e-3 * (0.5 if t % 2 else 1.0)
         p, m, v = torch_adamw(p, g * scale, m, v, t, **hp)
         out = np.full(n, np.nan)
-        adam_update(master, g, exp_avg, exp_avg_sq, lr=hp["lr"], beta1=hp["b1"], beta2=hp["b2"], eps=hp["eps"],
-                    weight_decay=hp["wd"], step=t, grad_scale=scale, out=out)
+        adam_update(
+            master,
+            g,
+            exp_avg,
+            exp_avg_sq,
+            lr=hp["lr"],
+            beta1=hp["b1"],
+            beta2=hp["b2"],
+            eps=hp["eps"],
+            weight_decay=hp["wd"],
+            step=t,
+            grad_scale=scale,
+            out=out,
+        )
         np.testing.assert_allclose(master, p, rtol=1e-13, atol=1e-15)
         np.testing.assert_allclose(exp_avg, m, rtol=1e-13, atol=1e-15)
         np.testing.assert_allclose(exp_avg_sq, v, rtol=1e-13, atol=1e-15)
@@ -82,11 +102,22 @@ def test_adam_update_float32_master_half_grads(gdt, seed):
     master = rng.standard_normal(n).astype(np.float32)
     m = (rng.standard_normal(n) * 1e-2).astype(np.float32)
     v = (rng.random(n) * 1e-3).astype(np.float32)
-    want = torch_adamw(master.astype(np.float64), g.astype(np.float64) * 4.0, m.astype(np.float64),
-                       v.astype(np.float64), 7, 1e-2, 0.9, 0.999, 1e-8, 0.01)
+    want = torch_adamw(
+        master.astype(np.float64),
+        g.astype(np.float64) * 4.0,
+        m.astype(np.float64),
+        v.astype(np.float64),
+        7,
+        1e-2,
+        0.9,
+        0.999,
+        1e-8,
+        0.01,
+    )
     out = np.zeros(n, gdt)
-    adam_update(master, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=7,
-                grad_scale=4.0, out=out)
+    adam_update(
+        master, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=7, grad_scale=4.0, out=out
+    )
     assert np.isfinite(master).all()
     for got, ref in zip((master, m, v), want):
         np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-7)
@@ -101,7 +132,9 @@ def test_adam_update_validation():
     with pytest.raises(ValueError, match="elements"):
         adam_update(a, np.zeros(7), a.copy(), a.copy(), step=1, **kw)
     with pytest.raises(TypeError, match="master"):
-        adam_update(a.astype(np.float16), a.astype(np.float16), a.astype(np.float16), a.astype(np.float16), step=1, **kw)
+        adam_update(
+            a.astype(np.float16), a.astype(np.float16), a.astype(np.float16), a.astype(np.float16), step=1, **kw
+        )
     with pytest.raises(TypeError, match="exp_avg"):
         adam_update(a, a.copy(), a.astype(np.float32), a.copy(), step=1, **kw)
 
@@ -118,16 +151,36 @@ def kernel_on_host(tmp_path_factory):
     if cxx is None or not harness.exists():
         pytest.skip("no C++ compiler or no tests/csrc_harness.cpp")
     so = tmp_path_factory.mktemp("adam") / "libadam.so"
-    done = subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas",
-                           str(harness), "-o", str(so)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O1",
+            "-ffp-contract=off",
+            "-shared",
+            "-fPIC",
+            "-Wno-unknown-pragmas",
+            str(harness),
+            "-o",
+            str(so),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     lib = ctypes.CDLL(str(so))
-    lib.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
+    lib.rc_host_adam.argtypes = (
+        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
+    )
     return lib
 
 
-@pytest.mark.parametrize("mdt,gdt", [(np.float32, np.float16), (np.float32, ringcomm.bfloat16), (np.float32, np.float32),
-                                     (np.float64, np.float64)], ids=str)
+@pytest.mark.parametrize(
+    "mdt,gdt",
+    [(np.float32, np.float16), (np.float32, ringcomm.bfloat16), (np.float32, np.float32), (np.float64, np.float64)],
+    ids=str,
+)
 def test_host_adam_bitwise_equals_kernel_arithmetic(kernel_on_host, mdt, gdt, seed):
     """The host loop and the fused kernel implement one formula in one order: bitwise equal results
     (on the GPU too: every kernel operation is rounded once, with no flush to zero and no FMA)."""
@@ -135,18 +188,43 @@ def test_host_adam_bitwise_equals_kernel_arithmetic(kernel_on_host, mdt, gdt, se
     ptr = lambda a: a.__array_interface__["data"][0]  # noqa: E731
     rng = np.random.default_rng(seed)
     n = 2 * HOST_CHUNK + 77
-    state = [rng.standard_normal(n).astype(mdt), (rng.standard_normal(n) * 1e-2).astype(mdt),
-             (rng.random(n) * 1e-3).astype(mdt)]
+    state = [
+        rng.standard_normal(n).astype(mdt),
+        (rng.standard_normal(n) * 1e-2).astype(mdt),
+        (rng.random(n) * 1e-3).astype(mdt),
+    ]
     mine = [a.copy() for a in state]
     for step, (wd, scale) in enumerate([(0.0, 1.0), (0.05, 0.37), (0.1, 1.0 / 3.0)], start=1):
         lr, b1, b2, eps = 3e-3, 0.9, 0.999, 1e-8
         g = (rng.standard_normal(n) * 10).astype(gdt)
         out_k, out_h = np.empty(n, gdt), np.empty(n, gdt)
         s = np.array([lr, b1, b2, eps, 1 - lr * wd, 1 - b1**step, 1 - b2**step, scale], np.float64)
-        assert kernel_on_host.rc_host_adam(codes[np.dtype(mdt)], codes[np.dtype(gdt)], codes[np.dtype(gdt)],
-                                           *(ptr(a) for a in (state[0], g, state[1], state[2], out_k)), n, ptr(s), 64) == 0
-        adam_update(mine[0], g, mine[1], mine[2], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
-                    grad_scale=scale, out=out_h)
+        assert (
+            kernel_on_host.rc_host_adam(
+                codes[np.dtype(mdt)],
+                codes[np.dtype(gdt)],
+                codes[np.dtype(gdt)],
+                *(ptr(a) for a in (state[0], g, state[1], state[2], out_k)),
+                n,
+                ptr(s),
+                64,
+            )
+            == 0
+        )
+        adam_update(
+            mine[0],
+            g,
+            mine[1],
+            mine[2],
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            eps=eps,
+            weight_decay=wd,
+            step=step,
+            grad_scale=scale,
+            out=out_h,
+        )
         for k, h in zip(state, mine):
             np.testing.assert_array_equal(h.view(f"u{h.itemsize}"), k.view(f"u{k.itemsize}"))
         np.testing.assert_array_equal(out_h.view(f"u{out_h.itemsize}"), out_k.view(f"u{out_k.itemsize}"))
@@ -239,7 +317,11 @@ def test_estimate_memory_paper_figure_1():
     assert [f"{g / 1e9:.1f}" for g in got] == ["120.0", "31.4", "16.6", "1.9"]
     assert [formula(s) for s in range(4)] == ["16Φ", "4Φ + 12Φ/N", "2Φ + 14Φ/N", "16Φ/N"]
     assert formula(2, param_bytes=4, grad_bytes=4, k=12) == "4Φ + 16Φ/N"
-    assert memory_breakdown(1000, 4, 2, param_bytes=4, grad_bytes=4, k=12) == {"params": 4000, "grads": 1000, "optimizer": 3000}
+    assert memory_breakdown(1000, 4, 2, param_bytes=4, grad_bytes=4, k=12) == {
+        "params": 4000,
+        "grads": 1000,
+        "optimizer": 3000,
+    }
     assert estimate_memory(1000, 1, 3) == estimate_memory(1000, 1, 0) == 16000
     for bad in (dict(stage=4), dict(stage=True), dict(world_size=0)):
         with pytest.raises(ValueError):
@@ -257,14 +339,37 @@ def test_parse_count():
 
 
 def test_estimate_cli(capsys):
-    out = subprocess.run([sys.executable, "-m", "ringcomm.zero", "estimate", "--params", "7.5B", "--world-size", "64"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ringcomm.zero", "estimate", "--params", "7.5B", "--world-size", "64"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     gb = re.findall(r"(\d+\.\d) GB", out)
     assert gb == ["120.0", "31.4", "16.6", "1.9"], out
     for f in ("16Φ ", "4Φ + 12Φ/N", "2Φ + 14Φ/N", "16Φ/N"):
         assert f in out
-    assert cli_main(["estimate", "--params", "1B", "--world-size", "8", "--param-bytes", "4", "--grad-bytes", "4",
-                     "--k", "12", "--stage", "3"]) == 0
+    assert (
+        cli_main(
+            [
+                "estimate",
+                "--params",
+                "1B",
+                "--world-size",
+                "8",
+                "--param-bytes",
+                "4",
+                "--grad-bytes",
+                "4",
+                "--k",
+                "12",
+                "--stage",
+                "3",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "20Φ/N" in text and "2.5 GB" in text and "stage" in text and "\n0 " not in text
     assert cli_main(["estimate", "-p", "1B", "-n", "4", "--precision", "fp32"]) == 0
@@ -456,7 +561,11 @@ def test_checkpoint_roundtrip_and_errors(comm, tmp_path, seed):
         mgr.step([rng.standard_normal(p.shape).astype(np.float16) for p in params])
     mgr.save(tmp_path / "ck")
     files = sorted(os.listdir(tmp_path / "ck"))
-    assert files[0] == "meta.json" and len(files) == 2 and re.fullmatch(r"shard-00000-of-00001-[0-9a-f]{12}\.bin", files[1])
+    assert (
+        files[0] == "meta.json"
+        and len(files) == 2
+        and re.fullmatch(r"shard-00000-of-00001-[0-9a-f]{12}\.bin", files[1])
+    )
     meta = json.loads((tmp_path / "ck" / "meta.json").read_text())
     assert meta["step"] == 3 and meta["master_dtype"] == "<f4" and meta["shapes"] == [[6, 5], [3]]
     state = consolidate(tmp_path / "ck")
@@ -575,7 +684,7 @@ def test_example_backward_matches_finite_differences(seed):
     def layer_of(p):
         import contextlib
 
-        return lambda l: contextlib.nullcontext((p[2 * l], p[2 * l + 1]))
+        return lambda i: contextlib.nullcontext((p[2 * i], p[2 * i + 1]))
 
     def loss(p):
         out = ex.forward(np, layer_of(p), 3, x)[-1]
@@ -595,8 +704,19 @@ def test_example_backward_matches_finite_differences(seed):
 
 def test_example_command_matches_one_process(comm):
     """`mpiexec -n 4 python examples/train_zero.py --stage 3` prints the losses of stage 0 in one process."""
-    cmd = ["mpiexec", "-n", "4", sys.executable, str(ROOT / "examples" / "train_zero.py"), "--stage", "3", "--steps", "4",
-           "--device", "cpu"]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "4",
+        sys.executable,
+        str(ROOT / "examples" / "train_zero.py"),
+        "--stage",
+        "3",
+        "--steps",
+        "4",
+        "--device",
+        "cpu",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     printed = [float(v) for v in re.findall(r"step +\d+ +loss ([0-9.]+)", out.stdout)]

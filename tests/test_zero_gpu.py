@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import require_gpu
 
 cupy, _ngpu = require_gpu()
@@ -16,14 +15,19 @@ from ringcomm.zero import ZeroShardManager, adam_update, consolidate  # noqa: E4
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
 
 
-@pytest.mark.parametrize("mdt,gdt,tol", [(np.float32, np.float16, 2e-6), (np.float32, np.float32, 2e-6),
-                                         (np.float64, np.float64, 1e-13)])
+@pytest.mark.parametrize(
+    "mdt,gdt,tol", [(np.float32, np.float16, 2e-6), (np.float32, np.float32, 2e-6), (np.float64, np.float64, 1e-13)]
+)
 def test_fused_adam_matches_host(mdt, gdt, tol):
     from ringcomm.devices.cuda import fused_adam
 
     rng = np.random.default_rng(0)
     n = 1_000_003  # not a multiple of any vector width
-    host = [rng.standard_normal(n).astype(mdt), (rng.standard_normal(n) * 1e-2).astype(mdt), (rng.random(n) * 1e-3).astype(mdt)]
+    host = [
+        rng.standard_normal(n).astype(mdt),
+        (rng.standard_normal(n) * 1e-2).astype(mdt),
+        (rng.random(n) * 1e-3).astype(mdt),
+    ]
     dev = [cupy.asarray(a) for a in host]
     for t in (1, 2, 3):
         g = (rng.standard_normal(n) * 100).astype(gdt)

@@ -157,8 +157,12 @@ def test_stages_match_reference_memory_and_communication(seed):
         # memory: exact bytes with Φ padded, float64 parameters/gradients (8 B) and master states (8 B)
         want = {0: (phi, phi, phi), 1: (phi, phi, S), 2: (phi, S, S), 3: (S, S, S)}[stage]
         report = mgr.memory_report()
-        expected = dict(zip(("params", "grads", "master", "exp_avg", "exp_avg_sq"),
-                            (8 * want[0], 8 * want[1], 8 * want[2], 8 * want[2], 8 * want[2])))
+        expected = dict(
+            zip(
+                ("params", "grads", "master", "exp_avg", "exp_avg_sq"),
+                (8 * want[0], 8 * want[1], 8 * want[2], 8 * want[2], 8 * want[2]),
+            )
+        )
         if report != expected:
             errors.append(f"stage {stage}: memory_report {report}, expected {expected}")
 
@@ -186,8 +190,15 @@ def test_stages_match_reference_memory_and_communication(seed):
     # (and with the gradients reduced in float32: accumulate="float32")
     for name, dtype, scale in (("float16", np.float16, 1024.0), ("bfloat16", ringcomm.bfloat16, None)):
         for stage, accumulate in [(s, a) for s in range(4) for a in (None, "float32")]:
-            mgr = ZeroShardManager(comm, [p.astype(dtype) for p in p0], stage=stage, max_grad_norm=max_norm,
-                                   loss_scale=scale, accumulate=accumulate, **HYPER)
+            mgr = ZeroShardManager(
+                comm,
+                [p.astype(dtype) for p in p0],
+                stage=stage,
+                max_grad_norm=max_norm,
+                loss_scale=scale,
+                accumulate=accumulate,
+                **HYPER,
+            )
             phi = mgr.layout.padded
             paper = {0: 16 * phi, 1: 4 * phi + 12 * phi // n, 2: 2 * phi + 14 * phi // n, 3: 16 * phi // n}[stage]
             total = sum(mgr.memory_report().values())
@@ -196,8 +207,10 @@ def test_stages_match_reference_memory_and_communication(seed):
             losses = train(mgr, x, y, STEPS, sl, dtype)
             worst = max(abs(a - b) / b for a, b in zip(losses, losses64[0]))
             if worst > HALF_TOL[name] or mgr.skipped_steps:
-                errors.append(f"{name} stage {stage} accumulate={accumulate}: losses off by {worst:.2e} relative (tolerance "
-                              f"{HALF_TOL[name]}), {mgr.skipped_steps} skipped steps")
+                errors.append(
+                    f"{name} stage {stage} accumulate={accumulate}: losses off by {worst:.2e} relative (tolerance "
+                    f"{HALF_TOL[name]}), {mgr.skipped_steps} skipped steps"
+                )
     check_loss_scaling(comm, p0, x, y, sl, max_norm, errors)
     agree(comm, errors)
 
@@ -232,8 +245,10 @@ def check_small_bucket(comm, p0, x, y, sl, max_norm, scalar, want, errors):
             sizes.clear()
             train(mgr, x, y, STEPS, sl, np.float64, expect_comm=expect, errors=errors)
             if sizes != rounds * STEPS:
-                errors.append(f"bucketed stage {stage}: reduce-scatters of {sizes[: len(rounds) + 1]}... elements, "
-                              f"expected {rounds} per step")
+                errors.append(
+                    f"bucketed stage {stage}: reduce-scatters of {sizes[: len(rounds) + 1]}... elements, "
+                    f"expected {rounds} per step"
+                )
             got = full_params(mgr)
             for i in range(len(SHAPES)):
                 e = rel(got[i], want[i])
@@ -296,8 +311,9 @@ def check_loss_scaling(comm, p0, x, y, sl, max_norm, errors):
     last = comm.size - 1
     for stage in range(4):
         for mode in ("dynamic", 256.0):
-            mgr = ZeroShardManager(comm, [p.astype(np.float16) for p in p0], stage=stage, max_grad_norm=max_norm,
-                                   loss_scale=mode, **HYPER)
+            mgr = ZeroShardManager(
+                comm, [p.astype(np.float16) for p in p0], stage=stage, max_grad_norm=max_norm, loss_scale=mode, **HYPER
+            )
             if mode == "dynamic":
                 mgr.scaler.scale = 1024.0  # start where these gradients do not overflow by themselves
             train(mgr, x, y, 2, sl, np.float16)
@@ -313,8 +329,10 @@ def check_loss_scaling(comm, p0, x, y, sl, max_norm, errors):
             want_scale = scale / 2 if mode == "dynamic" else scale
             tag = f"loss scaling ({mode}) stage {stage}"
             if mgr.step_count != 2 or mgr.skipped_steps != 1 or mgr.loss_scale != want_scale:
-                errors.append(f"{tag}: step_count {mgr.step_count}, skipped {mgr.skipped_steps}, "
-                              f"scale {mgr.loss_scale} (want 2, 1, {want_scale})")
+                errors.append(
+                    f"{tag}: step_count {mgr.step_count}, skipped {mgr.skipped_steps}, "
+                    f"scale {mgr.loss_scale} (want 2, 1, {want_scale})"
+                )
             if not all(np.array_equal(a, b) for a, b in zip(state, after)):
                 errors.append(f"{tag}: Adam states changed by a skipped step")
             if not all(np.array_equal(a, b) for a, b in zip(params, full_params(mgr))):
@@ -381,7 +399,9 @@ def test_checkpoint_reshard(tmp_path, seed):
             train(m, x, y, 10, rows(c), np.float64)
             worst = max(rel(a, b) for a, b in zip(full_params(m), final))
             if worst > 1e-12 or m.loss_scale != final_scale:
-                errors.append(f"N={size} stage {stage}: continuation off by {worst:.2e}, scale {m.loss_scale} vs {final_scale}")
+                errors.append(
+                    f"N={size} stage {stage}: continuation off by {worst:.2e}, scale {m.loss_scale} vs {final_scale}"
+                )
             sub.Free()
         comm.barrier()
 
@@ -397,14 +417,18 @@ def test_checkpoint_reshard(tmp_path, seed):
             if not all(np.array_equal(a, b) and a.shape == s for a, b, s in zip(st["params"], at10, SHAPES)):
                 errors.append(f"consolidate({k}) params differ from the trained parameters")
         z4 = consolidate(root / "z4")
-        worst = max(rel(a, b) for key in ("params", "exp_avg", "exp_avg_sq") for a, b in zip(z4[key], states["n4"][key]))
+        worst = max(
+            rel(a, b) for key in ("params", "exp_avg", "exp_avg_sq") for a, b in zip(z4[key], states["n4"][key])
+        )
         if z4["step"] != 10 or worst > 1e-12:
             errors.append(f"consolidate(z4) (stage 0 at N=4): step {z4['step']}, off the stage 3 save by {worst:.2e}")
         halves = {k: consolidate(root / k) for k in ("h4", "h2", "h3")}
         for k, st in halves.items():
-            if st["step"] != 3 or not all(a.dtype == np.float32 and np.array_equal(a, b)
-                                          for key in ("params", "exp_avg", "exp_avg_sq")
-                                          for a, b in zip(st[key], halves["h4"][key])):
+            if st["step"] != 3 or not all(
+                a.dtype == np.float32 and np.array_equal(a, b)
+                for key in ("params", "exp_avg", "exp_avg_sq")
+                for a, b in zip(st[key], halves["h4"][key])
+            ):
                 errors.append(f"consolidate({k}) (float16 model) differs from the N=4 save or is not float32")
         # damaged copies of the N=4 checkpoint
         meta = (root / "n4" / "meta.json").read_text()
@@ -435,13 +459,19 @@ def test_checkpoint_reshard(tmp_path, seed):
     manager(comm, 2, dtype=np.float32).save(root / "float32")
 
     sub = comm.mpi.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
-    for c in ([comm] + ([ringcomm.Communicator(sub, timeout=comm.timeout)] if sub != MPI.COMM_NULL else [])):
+    for c in [comm] + ([ringcomm.Communicator(sub, timeout=comm.timeout)] if sub != MPI.COMM_NULL else []):
         m = manager(c, 3 if c.size == 4 else 1)
         train(m, x, y, 2, rows(c), np.float64)
         snapshot = [np.array(a, copy=True) for a in (m._master, m._exp_avg, m._exp_avg_sq)] + full_params(m)
-        for name, words in (("truncated", "truncated"), ("corrupt", "CRC"), ("incomplete", "meta.json"),
-                            ("nocrc", "has no 'crc32'"), ("shapes", "shapes differ"), ("float32", "float32"),
-                            ("missing", "does not exist")):
+        for name, words in (
+            ("truncated", "truncated"),
+            ("corrupt", "CRC"),
+            ("incomplete", "meta.json"),
+            ("nocrc", "has no 'crc32'"),
+            ("shapes", "shapes differ"),
+            ("float32", "float32"),
+            ("missing", "does not exist"),
+        ):
             try:
                 m.load(root / name)
                 errors.append(f"N={c.size}: load({name}) did not raise")
@@ -460,14 +490,18 @@ def test_checkpoint_reshard(tmp_path, seed):
 def test_example_same_losses_every_stage():
     """examples/train_zero.py at N = 4: the same losses for stages 0-3 (float32: within 1e-5
     relative, the rounding of sums taken in another order; float64: within 1e-12), decreasing."""
-    spec = importlib.util.spec_from_file_location("train_zero", pathlib.Path(__file__).parents[1] / "examples" / "train_zero.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_zero", pathlib.Path(__file__).parents[1] / "examples" / "train_zero.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     comm = make_comm()
     errors = []
     for dtype, tol in (("float32", 1e-5), ("float64", 1e-12)):
-        runs = {s: example.main(["--stage", str(s), "--steps", "8", "--dtype", dtype, "--device", "cpu"], comm=comm)
-                for s in range(4)}
+        runs = {
+            s: example.main(["--stage", str(s), "--steps", "8", "--dtype", dtype, "--device", "cpu"], comm=comm)
+            for s in range(4)
+        }
         for s in (1, 2, 3):
             worst = max(abs(a - b) / b for a, b in zip(runs[s], runs[0]))
             if worst > tol:

@@ -35,52 +35,98 @@ DEFAULT_MIN_TIME = 0.02
 def build_parser(quiet: bool = False) -> RankParser:
     """The command line (nccl-tests' option letters where they apply)."""
     p = RankParser(
-        prog="ringcomm-bench", quiet=quiet,
+        prog="ringcomm-bench",
+        quiet=quiet,
         description="nccl-tests style bandwidth benchmark of ringcomm's collectives against NCCL and MPI, "
         "run under MPI: mpiexec -n 4 python -m ringcomm.bench -b 8 -e 128M -f 2",
         epilog="Sizes take K, M, G suffixes (powers of 1024). Time is the slowest rank's. busbw as in "
         "nccl-tests' doc/PERFORMANCE.md. Exit status 1 when any result is wrong.",
     )
     a = p.add_argument
-    a("-c", "--collective", default="all_reduce", choices=COLLECTIVES + ("all",),
-      help="collective to measure, or all (default all_reduce)")
+    a(
+        "-c",
+        "--collective",
+        default="all_reduce",
+        choices=COLLECTIVES + ("all",),
+        help="collective to measure, or all (default all_reduce)",
+    )
     a("-b", "--minbytes", default="8", help="smallest size in bytes (default 8)")
-    a("-e", "--maxbytes", default=None,
-      help=f"largest size in bytes (default {sizes.format_size(DEFAULT_MAX['host'])} on host, "
-      f"{sizes.format_size(DEFAULT_MAX['cuda'])} on cuda)")
+    a(
+        "-e",
+        "--maxbytes",
+        default=None,
+        help=f"largest size in bytes (default {sizes.format_size(DEFAULT_MAX['host'])} on host, "
+        f"{sizes.format_size(DEFAULT_MAX['cuda'])} on cuda)",
+    )
     a("-f", "--stepfactor", type=int, default=None, help="multiply the size by this between rows (default 2)")
     a("-i", "--stepbytes", default=None, help="add this many bytes between rows instead of -f")
     a("-n", "--iters", type=int, default=20, help="timed iterations per row (default 20)")
     a("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per row (default 5)")
     a("-o", "--op", default="sum", help="reduction: sum, prod, min, max, avg or all (default sum)")
-    a("-d", "--datatype", default="float",
-      help="element type: float, half, double, bfloat16, int8, uint8, int16, uint16, int32, uint32, int64, "
-      "uint64 (numpy names work too) or all (default float)")
+    a(
+        "-d",
+        "--datatype",
+        default="float",
+        help="element type: float, half, double, bfloat16, int8, uint8, int16, uint16, int32, uint32, int64, "
+        "uint64 (numpy names work too) or all (default float)",
+    )
     a("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce (default 0)")
     a("--check", type=int, default=1, choices=(0, 1), help="check every result (default 1)")
-    a("--impl", default=None,
-      help="comma-separated implementations among ringcomm, nccl, mpi (default ringcomm,mpi on host, "
-      "ringcomm,nccl,mpi on cuda)")
-    a("--device", default="auto", choices=("auto", "host", "cuda"),
-      help="where the buffers live (default: cuda if CuPy sees a GPU, else host)")
-    a("--stat", default="avg", choices=("avg", "median"),
-      help="time per call: mean over the timed loop (avg, nccl-tests) or median of per-call times")
-    a("--time-budget", type=float, default=None,
-      help="seconds one timed loop may take before slow sizes get fewer iterations; 0 = never "
-      "(default 1 on host, 2 on cuda)")
-    a("--min-time", type=float, default=DEFAULT_MIN_TIME,
-      help="seconds a timed loop lasts at least (within --time-budget): fast sizes run more than -n iterations, "
-      f"so that a stall of the host weighs less; needs -w >= 1; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})")
-    a("--rounds", type=int, default=1,
-      help="measure every implementation and mode this many times, interleaved, and report each one's fastest "
-      "round (a loop caught in a slow period of a shared host then decides no ratio); default 1")
-    a("--timeout", type=float, default=None,
-      help="abort the job when a measurement makes no progress for this many seconds "
-      "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)")
+    a(
+        "--impl",
+        default=None,
+        help="comma-separated implementations among ringcomm, nccl, mpi (default ringcomm,mpi on host, "
+        "ringcomm,nccl,mpi on cuda)",
+    )
+    a(
+        "--device",
+        default="auto",
+        choices=("auto", "host", "cuda"),
+        help="where the buffers live (default: cuda if CuPy sees a GPU, else host)",
+    )
+    a(
+        "--stat",
+        default="avg",
+        choices=("avg", "median"),
+        help="time per call: mean over the timed loop (avg, nccl-tests) or median of per-call times",
+    )
+    a(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds one timed loop may take before slow sizes get fewer iterations; 0 = never "
+        "(default 1 on host, 2 on cuda)",
+    )
+    a(
+        "--min-time",
+        type=float,
+        default=DEFAULT_MIN_TIME,
+        help="seconds a timed loop lasts at least (within --time-budget): fast sizes run more than -n iterations, "
+        f"so that a stall of the host weighs less; needs -w >= 1; 0 = exactly -n (default {DEFAULT_MIN_TIME:g})",
+    )
+    a(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every implementation and mode this many times, interleaved, and report each one's fastest "
+        "round (a loop caught in a slow period of a shared host then decides no ratio); default 1",
+    )
+    a(
+        "--timeout",
+        type=float,
+        default=None,
+        help="abort the job when a measurement makes no progress for this many seconds "
+        "(default: ringcomm's timeout + 60, i.e. 360 or RINGCOMM_TIMEOUT + 60)",
+    )
     a("--seed", type=int, default=0, help="seed of the test data (default 0)")
-    a("-a", "--accumulate", default=None, choices=ACCUMULATE,
-      help="ringcomm's accumulate= for all_reduce, reduce_scatter and reduce: float16/bfloat16 partial sums "
-      "travel and are added in float32, rounded once (default: none)")
+    a(
+        "-a",
+        "--accumulate",
+        default=None,
+        choices=ACCUMULATE,
+        help="ringcomm's accumulate= for all_reduce, reduce_scatter and reduce: float16/bfloat16 partial sums "
+        "travel and are added in float32, rounded once (default: none)",
+    )
     a("--json", metavar="FILE", default=None, help="write every row and the environment to FILE")
     a("--plot", metavar="FILE", default=None, help="draw busbw against size per implementation to FILE (PNG)")
     a("--corrupt-for-tests", type=int, default=0, help=argparse.SUPPRESS)
@@ -151,14 +197,23 @@ class Plan:
             except ImportError:
                 raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         try:
-            settings = Settings(iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), stat=args.stat,
-                                time_budget=args.time_budget if args.time_budget is not None else 1.0,
-                                min_time=args.min_time, rounds=args.rounds, seed=args.seed, corrupt=args.corrupt_for_tests)
+            settings = Settings(
+                iters=args.iters,
+                warmup=args.warmup_iters,
+                check=bool(args.check),
+                stat=args.stat,
+                time_budget=args.time_budget if args.time_budget is not None else 1.0,
+                min_time=args.min_time,
+                rounds=args.rounds,
+                seed=args.seed,
+                corrupt=args.corrupt_for_tests,
+            )
         except ValueError as e:
             raise UsageError(str(e)) from None
         step = f"{step_bytes}(bytes)" if step_bytes is not None else f"{factor}(factor)"
-        return cls(collectives, sweep, combos, dtypes, names or [], device, settings, args.root, step, skipped,
-                   args.accumulate)
+        return cls(
+            collectives, sweep, combos, dtypes, names or [], device, settings, args.root, step, skipped, args.accumulate
+        )
 
     def resolve(self, device: str, args: argparse.Namespace) -> None:
         """Fill in the device-dependent defaults (max size, time budget, implementations)."""
@@ -339,8 +394,9 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
     return impls, notes
 
 
-def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], notes: list[str], xp: Any,
-            out: Out) -> dict[str, Any]:
+def _header(
+    comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], notes: list[str], xp: Any, out: Out
+) -> dict[str, Any]:
     """Print the header (nccl-tests' first lines, then ringcomm's) and return it as a dict for JSON."""
     nccl = next((i.nccl for i in impls if i.name == "nccl"), None)
     if nccl is None and device == "cuda" and "nccl" in plan.impls:
@@ -353,31 +409,51 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     edges = comm.ring_edges(probe) if ring is not None else ()
     ranks = env.gather_strings(comm, env.describe_rank(comm, device, cupy))
     st = plan.settings
-    out(f"# ringcomm.bench: {comm.size} ranks, {nodes} node(s), {per_node} rank(s) per node, device {device}, "
-        f"transport {transport}")
+    out(
+        f"# ringcomm.bench: {comm.size} ranks, {nodes} node(s), {per_node} rank(s) per node, device {device}, "
+        f"transport {transport}"
+    )
     if edges:
-        out("# Ring: " + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1]) + f" ({comm.ring[0]})"
-            + f"  (nodes: {','.join(comm.nodes)})")
+        out(
+            "# Ring: "
+            + " ".join(f"{a} -{t}->" for a, _, t in edges[1:] + edges[:1])
+            + f" ({comm.ring[0]})"
+            + f"  (nodes: {','.join(comm.nodes)})"
+        )
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window[0], comm._window_limit("all_reduce")
         pieces = direct == math.inf  # (all-reduces at every size, in pieces beyond the inbox)
         bcast, shard, places = (comm._window_limit(c) for c in ("broadcast", "all_gather", "reduce_scatter"))
-        algorithm = (f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
-                     "in an MPI shared-memory window, then a local fold in the ring's order)"
-                     + ("; above: direct (shared memory: each rank reduces its chunk from every rank's inbox; "
-                        f"beyond {window[1]} B in pieces)" if pieces else
-                        f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every "
-                        "rank's inbox)" if direct else "")
-                     + "; bitwise the ring's result"
-                     + (f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
-                        "out by the others)" if bcast else "")
-                     + (f"; all_gather up to {shard} B a shard: copy (shared memory)" if shard else "")
-                     + (f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
-                        "the root the whole buffer, from every rank's buffer in the window)" if places else "")
-                     + f"; above{' (not all_reduce)' if pieces else ''}: ring, and chain for broadcast and "
-                     f"reduce (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests; "
-                     f"{'' if pieces else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)")
+        algorithm = (
+            f"all_reduce up to {min(comm.small_bytes, small)} B: gather-fold (shared memory: whole buffers "
+            "in an MPI shared-memory window, then a local fold in the ring's order)"
+            + (
+                "; above: direct (shared memory: each rank reduces its chunk from every rank's inbox; "
+                f"beyond {window[1]} B in pieces)"
+                if pieces
+                else f"; up to {direct} B: direct (shared memory: each rank reduces its chunk from every rank's inbox)"
+                if direct
+                else ""
+            )
+            + "; bitwise the ring's result"
+            + (
+                f"; broadcast up to {bcast} B: copy (shared memory: the root's buffer in the window, copied "
+                "out by the others)"
+                if bcast
+                else ""
+            )
+            + (f"; all_gather up to {shard} B a shard: copy (shared memory)" if shard else "")
+            + (
+                f"; reduce_scatter and reduce up to {places} B: fold (shared memory: each rank folds its shard, "
+                "the root the whole buffer, from every rank's buffer in the window)"
+                if places
+                else ""
+            )
+            + f"; above{' (not all_reduce)' if pieces else ''}: ring, and chain for broadcast and "
+            f"reduce (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests; "
+            f"{'' if pieces else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)"
+        )
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
         limit = max(comm._small(device), 0)
@@ -385,17 +461,22 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
         if device == "host":
             small += f": gather-fold (one persistent MPI_Allgather_init of whole buffers, {fold})"
         elif ring is not None and comm._via_host(device, 0):
-            small = (f"every collective up to {limit} B (all_gather: of out): through the host (copied to "
-                     "pinned host memory, the host's collective there: in its shared-memory window or by MPI; "
-                     f"all_reduce: gather-fold, {fold}; copied back)")
+            small = (
+                f"every collective up to {limit} B (all_gather: of out): through the host (copied to "
+                "pinned host memory, the host's collective there: in its shared-memory window or by MPI; "
+                f"all_reduce: gather-fold, {fold}; copied back)"
+            )
             above = "above"
         else:
             small += f": gather-fold (N-1 ring steps of whole buffers, {fold})"
-        algorithm = (f"{small}; {above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of "
-                     "persistent requests)")
+        algorithm = (
+            f"{small}; {above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests)"
+        )
     out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES, RINGCOMM_SHM)")
-    out(f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
-        f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}")
+    out(
+        f"# minBytes {plan.sizes[0]} maxBytes {plan.sizes[-1]} step: {plan.step} warmup iters: {st.warmup} "
+        f"iters: {st.iters} validation: {int(st.check)} seed: {st.seed}"
+    )
     out(f"# Time: {st.describe()}")
     out(f"# Accumulate: {plan.accumulate or 'none'} (ringcomm's float16/bfloat16 partial sums; -a/--accumulate)")
     out("# Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if k != "MPI"))
@@ -415,23 +496,46 @@ def _header(comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], not
     counts_note = [c for c in plan.collectives if c in sizes.SHARDED]
     if counts_note:
         multiple = sizes.count_multiple(counts_note[0], comm.size)
-        out(f"# {'/'.join(counts_note)}: counts rounded down to a multiple of {multiple} (16 x ranks) so that every "
-            "rank's shard is equal")
+        out(
+            f"# {'/'.join(counts_note)}: counts rounded down to a multiple of {multiple} (16 x ranks) so that every "
+            "rank's shard is equal"
+        )
     out("#")
     out("# Using devices")
     for line in ranks:
         out(f"#  {line}")
-    return {"ranks": comm.size, "nodes": nodes, "ranks_per_node": per_node, "device": device,
-            "transport": transport, "algorithm": algorithm, "small_bytes": comm.small_bytes, "ring": list(comm.ring), "node_labels": list(comm.nodes),
-            "edges": [{"from": a, "to": b, "transport": t} for a, b, t in edges], "versions": vers, "time": st.describe(), "ranks_detail": ranks,
-            "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls}, "notes": notes,
-            "footnotes": footnotes, "argv": plan.argv}
+    return {
+        "ranks": comm.size,
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "device": device,
+        "transport": transport,
+        "algorithm": algorithm,
+        "small_bytes": comm.small_bytes,
+        "ring": list(comm.ring),
+        "node_labels": list(comm.nodes),
+        "edges": [{"from": a, "to": b, "transport": t} for a, b, t in edges],
+        "versions": vers,
+        "time": st.describe(),
+        "ranks_detail": ranks,
+        "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls},
+        "notes": notes,
+        "footnotes": footnotes,
+        "argv": plan.argv,
+    }
 
 
 def _settings_dict(plan: Plan) -> dict[str, Any]:
     d = dataclasses.asdict(plan.settings)
-    d.update(collectives=plan.collectives, sizes=plan.sizes, root=plan.root, step=plan.step,
-             types=[data.type_name(t) for t in plan.dtypes], impls=plan.impls, accumulate=plan.accumulate)
+    d.update(
+        collectives=plan.collectives,
+        sizes=plan.sizes,
+        root=plan.root,
+        step=plan.step,
+        types=[data.type_name(t) for t in plan.dtypes],
+        impls=plan.impls,
+        accumulate=plan.accumulate,
+    )
     return d
 
 

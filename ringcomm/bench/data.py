@@ -26,13 +26,28 @@ BLOCK = 1 << 18
 
 #: nccl-tests' type names (what the table prints) and the dtypes they stand for.
 TYPE_NAMES: dict[str, np.dtype] = {
-    "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16),
-    "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32), "uint32": np.dtype(np.uint32),
-    "int64": np.dtype(np.int64), "uint64": np.dtype(np.uint64), "half": np.dtype(np.float16),
-    "float": np.dtype(np.float32), "double": np.dtype(np.float64), "bfloat16": bfloat16,
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int16": np.dtype(np.int16),
+    "uint16": np.dtype(np.uint16),
+    "int32": np.dtype(np.int32),
+    "uint32": np.dtype(np.uint32),
+    "int64": np.dtype(np.int64),
+    "uint64": np.dtype(np.uint64),
+    "half": np.dtype(np.float16),
+    "float": np.dtype(np.float32),
+    "double": np.dtype(np.float64),
+    "bfloat16": bfloat16,
 }
-_ALIASES = {"float16": "half", "fp16": "half", "float32": "float", "fp32": "float", "float64": "double",
-            "fp64": "double", "bf16": "bfloat16"}
+_ALIASES = {
+    "float16": "half",
+    "fp16": "half",
+    "float32": "float",
+    "fp32": "float",
+    "float64": "double",
+    "fp64": "double",
+    "bf16": "bfloat16",
+}
 
 _GOLDEN, _F1, _F2 = np.uint32(0x9E3779B1), np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 
@@ -197,8 +212,13 @@ def input_data(case: Case, seed: int, out: np.ndarray | None = None) -> np.ndarr
 
 
 #: The numpy ufunc that combines two contributions under each op (avg: add, then divide once).
-COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+COMBINE = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
 
 
 def expected_dtype(case: Case) -> np.dtype:

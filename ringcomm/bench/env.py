@@ -90,8 +90,13 @@ def versions(cupy: Any = None, nccl: Any = None) -> dict[str, str]:
 
     import ringcomm
 
-    out = {"ringcomm": ringcomm.__version__, "numpy": np.__version__, "mpi4py": mpi4py.__version__,
-           "MPI": mpi_library(), "MPI standard": "{}.{}".format(*MPI.Get_version())}
+    out = {
+        "ringcomm": ringcomm.__version__,
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "MPI": mpi_library(),
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
+    }
     try:
         import ml_dtypes
 

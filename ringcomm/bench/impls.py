@@ -135,8 +135,9 @@ class RingcommImpl:
         kw = {} if self.stream is None else {"stream": self.stream}
         red = dict(kw, accumulate=self.accumulate) if self.accumulate else kw  # the reducing collectives
         # the keywords bound once (a call with **{} costs 0.1 us, which MPI's calls do not pay)
-        all_reduce, reduce_scatter, reduce = (partial(f, **red) if red else f
-                                              for f in (comm.all_reduce, comm.reduce_scatter, comm.reduce))
+        all_reduce, reduce_scatter, reduce = (
+            partial(f, **red) if red else f for f in (comm.all_reduce, comm.reduce_scatter, comm.reduce)
+        )
         all_gather, broadcast = (partial(f, **kw) if kw else f for f in (comm.all_gather, comm.broadcast))
         s, r = arrays.send, arrays.recv
         lo, hi = case.shard
@@ -159,13 +160,29 @@ class RingcommImpl:
 
 # ---------------------------------------------------------------------------------------------- MPI
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX}
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PROD: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+}
 
 
-_MPI_TYPES = {"int8": "INT8_T", "uint8": "UINT8_T", "int16": "INT16_T", "uint16": "UINT16_T", "int32": "INT32_T",
-              "uint32": "UINT32_T", "int64": "INT64_T", "uint64": "UINT64_T", "float16": "FLOAT16_T",
-              "float32": "FLOAT", "float64": "DOUBLE", "bfloat16": "BFLOAT16_T"}
+_MPI_TYPES = {
+    "int8": "INT8_T",
+    "uint8": "UINT8_T",
+    "int16": "INT16_T",
+    "uint16": "UINT16_T",
+    "int32": "INT32_T",
+    "uint32": "UINT32_T",
+    "int64": "INT64_T",
+    "uint64": "UINT64_T",
+    "float16": "FLOAT16_T",
+    "float32": "FLOAT",
+    "float64": "DOUBLE",
+    "bfloat16": "BFLOAT16_T",
+}
 
 
 def mpi_datatype(dtype: np.dtype) -> Any:
@@ -205,14 +222,28 @@ class MpiImpl:
 
     def describe(self, array: Any, dtypes: Sequence[np.dtype]) -> str:
         """One header line, including the types that need an MPI user op."""
-        where = "host buffers" if self.device == "host" else (
-            "device buffers (CUDA-aware MPI)" if self.cuda_aware else "host copies of the device buffers "
-            "(MPI is not CUDA-aware; the copies are timed)")
+        where = (
+            "host buffers"
+            if self.device == "host"
+            else (
+                "device buffers (CUDA-aware MPI)"
+                if self.cuda_aware
+                else "host copies of the device buffers (MPI is not CUDA-aware; the copies are timed)"
+            )
+        )
         missing = [str(np.dtype(d)) for d in dtypes if mpi_datatype(d) is None]
-        extra = (f"; {', '.join(missing)} reductions via a commutative MPI user op written with numpy "
-                 f"(this MPI has no {', '.join(missing)} datatype)") if missing else ""
-        return (f"mpi4py {_mpi4py_version()} collectives (Allreduce, Reduce_scatter_block/Reduce_scatter, "
-                f"Allgather/Allgatherv, Bcast, Reduce) on {where}; avg = MPI_SUM then divide{extra}")
+        extra = (
+            (
+                f"; {', '.join(missing)} reductions via a commutative MPI user op written with numpy "
+                f"(this MPI has no {', '.join(missing)} datatype)"
+            )
+            if missing
+            else ""
+        )
+        return (
+            f"mpi4py {_mpi4py_version()} collectives (Allreduce, Reduce_scatter_block/Reduce_scatter, "
+            f"Allgather/Allgatherv, Bcast, Reduce) on {where}; avg = MPI_SUM then divide{extra}"
+        )
 
     def close(self) -> None:
         for op in self._user_ops.values():
@@ -268,10 +299,12 @@ class MpiImpl:
         # down: the (buffer, slice) inputs a staged call copies to the host first; up: the output it
         # copies back; result: the device/host array the check reads.
         if c == "all_reduce":
+
             def call() -> None:
                 comm.Allreduce(MPI.IN_PLACE if inplace else S, R, op)
                 if avg:
                     np.divide(r, n, out=r)
+
             down, up, result = ("recv" if inplace else "send", everything), ("recv", everything), arrays.recv
         elif c == "reduce_scatter":
             out = s[: hi - lo] if inplace else r
@@ -284,6 +317,7 @@ class MpiImpl:
                     comm.Reduce_scatter(send, recv, counts, op)
                 if avg:
                     np.divide(out, n, out=out)
+
             down = ("send", everything)
             up = ("send", slice(0, hi - lo)) if inplace else ("recv", everything)
             result = arrays.send[: hi - lo] if inplace else arrays.recv
@@ -293,11 +327,14 @@ class MpiImpl:
 
             def call() -> None:
                 gather(MPI.IN_PLACE if inplace else S, target)
+
             down = ("recv", slice(lo, hi)) if inplace else ("send", everything)
             up, result = ("recv", everything), arrays.recv
         elif c == "broadcast":
+
             def call() -> None:
                 comm.Bcast(R, root)
+
             down, up, result = ("recv", everything), ("recv", everything), arrays.recv
         elif c == "reduce":
             is_root = rank == root
@@ -310,6 +347,7 @@ class MpiImpl:
                 comm.Reduce(send, recv, op, root)
                 if avg and is_root:
                     np.divide(r, n, out=r)
+
             down = ("recv" if inplace else "send", everything)
             up = ("recv", everything) if is_root else None
             result = arrays.recv if (inplace or is_root) else arrays.send
@@ -322,8 +360,12 @@ class MpiImpl:
         return Prepared(_staged(call, pairs, down, up), result, stream_sync(self.comm))
 
 
-def _staged(call: Callable[[], None], pairs: dict[str, tuple[Any, np.ndarray]], down: tuple[str, slice],
-            up: tuple[str, slice] | None) -> Callable[[], None]:
+def _staged(
+    call: Callable[[], None],
+    pairs: dict[str, tuple[Any, np.ndarray]],
+    down: tuple[str, slice],
+    up: tuple[str, slice] | None,
+) -> Callable[[], None]:
     """``call`` on host mirrors, between the device -> host copy of ``down`` and the host -> device
     copy of ``up`` (``pairs`` maps a buffer name to its (device array, host mirror))."""
     dev_in, host_in = (a[down[1]] for a in pairs[down[0]])
@@ -362,8 +404,18 @@ def stream_sync(comm: Any, stream: Any = None) -> Callable[[], None]:
 
 # --------------------------------------------------------------------------------------------- NCCL
 
-_NCCL_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
-               "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_TYPES = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "uint32": 3,
+    "int64": 4,
+    "uint64": 5,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
 _NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 
 #: NCCL_UNIQUE_ID_BYTES
@@ -421,8 +473,9 @@ class NcclImpl:
         self.mark, self.footnote = "", None
 
     @classmethod
-    def create(cls, comm: Any, cupy: Any, nccl: Any, stream: Any, ranks_per_gpu: int = 1,
-               mps: str | None = None) -> tuple[NcclImpl | None, str]:
+    def create(
+        cls, comm: Any, cupy: Any, nccl: Any, stream: Any, ranks_per_gpu: int = 1, mps: str | None = None
+    ) -> tuple[NcclImpl | None, str]:
         """Set NCCL up on every rank, or on none: (impl, "") or (None, why NCCL could not run).
 
         Collective over ``comm``. ``ranks_per_gpu``: the most ranks that share one GPU; when more than
@@ -463,11 +516,15 @@ class NcclImpl:
         if shared:
             impl.mark = "*"
             if mps:
-                impl.footnote = (f"nccl*: {ranks_per_gpu} ranks share one GPU through MPS ({mps}); its times are "
-                                 "not those of separate GPUs")
+                impl.footnote = (
+                    f"nccl*: {ranks_per_gpu} ranks share one GPU through MPS ({mps}); its times are "
+                    "not those of separate GPUs"
+                )
             else:
-                impl.footnote = (f"nccl*: {ranks_per_gpu} ranks time-slice one GPU without MPS; NCCL's kernels "
-                                 "spin, so its times are not those of separate GPUs")
+                impl.footnote = (
+                    f"nccl*: {ranks_per_gpu} ranks time-slice one GPU without MPS; NCCL's kernels "
+                    "spin, so its times are not those of separate GPUs"
+                )
         return impl, ""
 
     @staticmethod
@@ -477,8 +534,10 @@ class NcclImpl:
             return ""
         need = ".".join(map(str, MULTI_RANK_GPU_MIN))
         if _version_tuple(version) < MULTI_RANK_GPU_MIN:
-            return (f"; {ranks_per_gpu} ranks share a GPU here, which NCCL before {need} refuses "
-                    f"(NCCL_MULTI_RANK_GPU_ENABLE needs NCCL {need} or later)")
+            return (
+                f"; {ranks_per_gpu} ranks share a GPU here, which NCCL before {need} refuses "
+                f"(NCCL_MULTI_RANK_GPU_ENABLE needs NCCL {need} or later)"
+            )
         setting = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE")
         if setting != "1":
             return f"; {ranks_per_gpu} ranks share a GPU here, and NCCL_MULTI_RANK_GPU_ENABLE={setting} (1 allows it)"

@@ -16,8 +16,7 @@ from typing import Any
 from .runner import MODES, Result, Row, average_busbw, total_wrong
 from .sizes import format_size
 
-_KEY_WIDTHS = (("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 8, ""), ("redop", 6, ""),
-               ("root", 6, ""))
+_KEY_WIDTHS = (("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 8, ""), ("redop", 6, ""), ("root", 6, ""))
 _IMPL_WIDTH = ("impl", 8, "")
 _GROUP = (("time", 9, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"), ("#wrong", 6, ""))
 _RATIO = ("ratio", 6, "")
@@ -72,8 +71,12 @@ def _group_cells(res: Result, layout: Layout, is_reference: bool) -> list[str]:
     if res.time_us is None:
         out = ["N/A"] * 4
     else:
-        out = [_time(res.time_us), f"{res.algbw:.2f}", f"{res.busbw:.2f}",
-               "N/A" if res.wrong is None else str(res.wrong)]
+        out = [
+            _time(res.time_us),
+            f"{res.algbw:.2f}",
+            f"{res.busbw:.2f}",
+            "N/A" if res.wrong is None else str(res.wrong),
+        ]
     if layout.ratio:
         out.append("-" if is_reference else "N/A" if res.ratio is None else _ratio(res.ratio))
     return out
@@ -90,14 +93,17 @@ def format_row(row: Row, layout: Layout, reference: str = "ringcomm") -> str:
     return line
 
 
-def footer(rows: Sequence[Row], impls: Sequence[str], check: bool, iters: int, warmup: int,
-           reference: str = "ringcomm") -> list[str]:
+def footer(
+    rows: Sequence[Row], impls: Sequence[str], check: bool, iters: int, warmup: int, reference: str = "ringcomm"
+) -> list[str]:
     """nccl-tests' closing lines, then notes: what did not run (N/A), and the sizes where the time
     budget cut the iterations below ``iters`` (-n) or ``warmup`` (-w)."""
     wrong = total_wrong(rows)
     main = reference if reference in impls else impls[0]
-    lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-             f"# Avg bus bandwidth    : {average_busbw(rows, main):.6g} "]
+    lines = [
+        f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
+        f"# Avg bus bandwidth    : {average_busbw(rows, main):.6g} ",
+    ]
     if len(impls) > 1:
         marks = {row.impl: row.mark for row in rows}
         per = ", ".join(f"{name}{marks.get(name, '')} {average_busbw(rows, name):.4g}" for name in impls)
@@ -130,12 +136,14 @@ def budget_note(rows: Sequence[Row], iters: int, warmup: int) -> str | None:
     def span(values: list[int]) -> str:
         return f"{min(values)}" + (f"..{max(values)}" if max(values) != min(values) else "")
 
-    parts = [f"{format_size(size)} w={span([w for w, _ in v])} n={span([n for _, n in v])}"
-             for size, v in fewer.items()]
+    parts = [
+        f"{format_size(size)} w={span([w for w, _ in v])} n={span([n for _, n in v])}" for size, v in fewer.items()
+    ]
     return f"# Fewer iterations (time budget; asked w={warmup} n={iters}): " + ", ".join(parts)
 
 
 # ------------------------------------------------------------------------------------- parsing
+
 
 @dataclasses.dataclass
 class Table:
@@ -197,6 +205,7 @@ def parse_tables(text: str) -> list[Table]:
 
 # ---------------------------------------------------------------------------------- JSON, plot
 
+
 def to_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """Rows as plain dicts (one per table line, modes nested)."""
     out = []
@@ -239,8 +248,15 @@ def plot(path: str, rows: Sequence[Row], title: str) -> None:
         for (impl, what, mode), pts in series.items():
             xs, ys = zip(*sorted(pts))
             color = f"C{(impls.index(impl) + len(impls) * whats.index(what)) % 10}"  # one colour per impl
-            ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{impl} ({what}, {mode})",
-                    linestyle="-" if mode == "out-of-place" else "--")
+            ax.plot(
+                xs,
+                ys,
+                marker="o",
+                markersize=3,
+                color=color,
+                label=f"{impl} ({what}, {mode})",
+                linestyle="-" if mode == "out-of-place" else "--",
+            )
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(int(v)) if v >= 1 else ""))
         ax.set_xlabel("size")

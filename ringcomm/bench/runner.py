@@ -84,14 +84,26 @@ class Settings:
         if self.stat == "avg":
             what = "slowest rank's mean time per call over the timed loop (max over ranks of each rank's mean)"
         else:
-            what = ("median over iterations of the slowest rank's time per call (calls back to back after one "
-                    "barrier, each timed from the previous call's completion)")
-        budget = (f"; time budget {self.time_budget:g} s per loop: slow sizes run fewer warm-up/timed "
-                  f"iterations (at least 1/{MIN_ITERS}; listed under the table)" if self.time_budget > 0 else "")
-        shortest = (f"; timed loops last at least {self.min_time:g} s: fast sizes run more iterations"
-                    if self.min_time > 0 else "")
-        rounds = (f"; the fastest of {self.rounds} rounds, every implementation and mode measured once per round"
-                  if self.rounds > 1 else "")
+            what = (
+                "median over iterations of the slowest rank's time per call (calls back to back after one "
+                "barrier, each timed from the previous call's completion)"
+            )
+        budget = (
+            f"; time budget {self.time_budget:g} s per loop: slow sizes run fewer warm-up/timed "
+            f"iterations (at least 1/{MIN_ITERS}; listed under the table)"
+            if self.time_budget > 0
+            else ""
+        )
+        shortest = (
+            f"; timed loops last at least {self.min_time:g} s: fast sizes run more iterations"
+            if self.min_time > 0
+            else ""
+        )
+        rounds = (
+            f"; the fastest of {self.rounds} rounds, every implementation and mode measured once per round"
+            if self.rounds > 1
+            else ""
+        )
         return what + budget + shortest + rounds
 
 
@@ -261,8 +273,9 @@ class Runner:
     """Measures rows on one device with a list of implementations (all ranks call the same methods
     in the same order: every method here is collective over ``comm``)."""
 
-    def __init__(self, comm: Any, impls: Sequence[Any], settings: Settings, xp: Any = np,
-                 watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self, comm: Any, impls: Sequence[Any], settings: Settings, xp: Any = np, watchdog: Watchdog | None = None
+    ) -> None:
         self.comm, self.impls, self.settings, self.xp = comm, list(impls), settings, xp
         self._settle = stream_sync(comm) if xp is not np else None  # GPU runs: the current stream's work
         self.watchdog = watchdog
@@ -277,8 +290,16 @@ class Runner:
     def case(self, collective: str, count: int, dtype: np.dtype, op: ReduceOp | None, root: int) -> data.Case:
         """The :class:`~ringcomm.bench.data.Case` of a row on this communicator."""
         rooted = collective in ("broadcast", "reduce")
-        return data.Case(collective, count, np.dtype(dtype), op, root if rooted else -1, self.comm.size,
-                         self.comm.rank, tuple(self.comm.shard_bounds(count)))
+        return data.Case(
+            collective,
+            count,
+            np.dtype(dtype),
+            op,
+            root if rooted else -1,
+            self.comm.size,
+            self.comm.rank,
+            tuple(self.comm.shard_bounds(count)),
+        )
 
     def reserve(self, collective: str, count: int, dtype: np.dtype, op: ReduceOp | None = None) -> None:
         """Allocate and touch the buffers of the sweep's largest row now, so that rows do not pay
@@ -289,8 +310,11 @@ class Runner:
             a.view(np.uint8).fill(0)
         lo, hi = case.input_range()
         out_n = case.shard[1] - case.shard[0] if collective == "reduce_scatter" else count
-        for name, n, dt in (("timing", hi - lo, dtype), ("check", hi - lo, dtype),
-                            ("expected", out_n, np.float64 if op is ReduceOp.AVG else dtype)):
+        for name, n, dt in (
+            ("timing", hi - lo, dtype),
+            ("check", hi - lo, dtype),
+            ("expected", out_n, np.float64 if op is ReduceOp.AVG else dtype),
+        ):
             self.host.get(name, n, dt).view(np.uint8).fill(0)
 
     def run(self, case: data.Case) -> list[Row]:
@@ -298,8 +322,11 @@ class Runner:
         st = self.settings
         arrays = Arrays.of(case, self.bufs)
         lo, hi = case.input_range()
-        tdata = data.input_data(case, data.derive_seed(st.seed, "timing", case.collective, case.count),
-                                self.host.get("timing", hi - lo, case.dtype))
+        tdata = data.input_data(
+            case,
+            data.derive_seed(st.seed, "timing", case.collective, case.count),
+            self.host.get("timing", hi - lo, case.dtype),
+        )
         cseed = data.derive_seed(st.seed, "check", case.collective, case.count, str(case.dtype), str(case.op))
         cdata = expected = None
         if st.check:
@@ -323,8 +350,11 @@ class Runner:
                         continue
                     # in-place prod/sum timing loops may overflow to inf: expected, and not worth a warning
                     with np.errstate(over="ignore", invalid="ignore"):
-                        per_mode[inplace].append(self._measure(impl.name, case, arrays, inplace, prep, tdata,
-                                                               cdata if last else None, expected))
+                        per_mode[inplace].append(
+                            self._measure(
+                                impl.name, case, arrays, inplace, prep, tdata, cdata if last else None, expected
+                            )
+                        )
         return self._reduce(case, local)
 
     # ------------------------------------------------------------------------------ measurement
@@ -353,8 +383,17 @@ class Runner:
             stamps[i] = clock()
         return np.diff(stamps)
 
-    def _measure(self, name: str, case: data.Case, arrays: Arrays, inplace: bool, prep: Prepared,
-                 tdata: np.ndarray, cdata: np.ndarray | None, expected: np.ndarray | None) -> _Local:
+    def _measure(
+        self,
+        name: str,
+        case: data.Case,
+        arrays: Arrays,
+        inplace: bool,
+        prep: Prepared,
+        tdata: np.ndarray,
+        cdata: np.ndarray | None,
+        expected: np.ndarray | None,
+    ) -> _Local:
         st = self.settings
         w, n, budget = st.warmup, st.iters, st.time_budget
         _load(arrays.input(case, inplace), tdata)
@@ -410,13 +449,27 @@ class Runner:
                 sec = min(secs)
                 m = rounds[secs.index(sec)]
                 results[mode] = Result(
-                    time_us=sec * 1e6, algbw=sizes.algbw(case.nbytes, sec),
+                    time_us=sec * 1e6,
+                    algbw=sizes.algbw(case.nbytes, sec),
                     busbw=sizes.busbw(case.collective, case.nbytes, sec, case.nranks),
-                    wrong=int(wrong[k]) if self.settings.check else None, iters=m.iters, warmup=m.warmup,
+                    wrong=int(wrong[k]) if self.settings.check else None,
+                    iters=m.iters,
+                    warmup=m.warmup,
                 )
                 k += 1
-            rows.append(Row(case.collective, case.nbytes, case.count, typ, redop, case.root, impl.name, results,
-                            getattr(impl, "mark", "")))
+            rows.append(
+                Row(
+                    case.collective,
+                    case.nbytes,
+                    case.count,
+                    typ,
+                    redop,
+                    case.root,
+                    impl.name,
+                    results,
+                    getattr(impl, "mark", ""),
+                )
+            )
         add_ratios(rows)
         return rows
 

@@ -37,14 +37,22 @@ NVRTC_OPTIONS = ("-std=c++17",)
 
 #: numpy dtype -> the suffix of its kernels in csrc/
 SUFFIX: dict[np.dtype, str] = {
-    np.dtype(np.float16): "f16", bfloat16: "bf16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
-    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.int16): "i16", np.dtype(np.uint16): "u16",
-    np.dtype(np.int32): "i32", np.dtype(np.uint32): "u32", np.dtype(np.int64): "i64", np.dtype(np.uint64): "u64",
+    np.dtype(np.float16): "f16",
+    bfloat16: "bf16",
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float64): "f64",
+    np.dtype(np.int8): "i8",
+    np.dtype(np.uint8): "u8",
+    np.dtype(np.int16): "i16",
+    np.dtype(np.uint16): "u16",
+    np.dtype(np.int32): "i32",
+    np.dtype(np.uint32): "u32",
+    np.dtype(np.int64): "i64",
+    np.dtype(np.uint64): "u64",
 }
 assert set(SUFFIX) == set(SUPPORTED_DTYPES)
 
-_OP_NAME = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", ReduceOp.MIN: "min",
-            ReduceOp.MAX: "max"}
+_OP_NAME = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.PROD: "prod", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 ADAM_MASTER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 ADAM_GRAD_DTYPES = FLOAT_DTYPES
 ADAM_OUT_DTYPES = FLOAT_DTYPES
@@ -61,16 +69,19 @@ def accumulate_kernel_names() -> list[str]:
     """Every float32-accumulation kernel (csrc/accumulate.cu) the device may launch."""
     halves = [SUFFIX[d] for d in HALF_DTYPES]
     ops = ("sum", "prod", "min", "max")
-    return ([f"ringcomm_reduce_acc_{op}_{s}" for s in halves for op in ops]
-            + [f"ringcomm_reduce_acc_final_{op}_{s}" for s in halves for op in ops]
-            + [f"ringcomm_widen_{s}" for s in halves])
+    return (
+        [f"ringcomm_reduce_acc_{op}_{s}" for s in halves for op in ops]
+        + [f"ringcomm_reduce_acc_final_{op}_{s}" for s in halves for op in ops]
+        + [f"ringcomm_widen_{s}" for s in halves]
+    )
 
 
 def adam_kernel_names() -> list[str]:
     """Every fused-Adam kernel :func:`fused_adam` may launch."""
     outs = ["none"] + [SUFFIX[d] for d in ADAM_OUT_DTYPES]
-    return [f"ringcomm_adam_{SUFFIX[p]}_{SUFFIX[g]}_{o}" for p in ADAM_MASTER_DTYPES for g in ADAM_GRAD_DTYPES
-            for o in outs]
+    return [
+        f"ringcomm_adam_{SUFFIX[p]}_{SUFFIX[g]}_{o}" for p in ADAM_MASTER_DTYPES for g in ADAM_GRAD_DTYPES for o in outs
+    ]
 
 
 # ---------------------------------------------------------------------------------------- sources
@@ -94,7 +105,7 @@ def _csrc_text(name: str) -> str:
     raise FileNotFoundError(f"ringcomm kernel source {name!r} not found in the package (ringcomm.csrc) nor at {path}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_source(name: str) -> str:
     """csrc/<name> with csrc/common.cuh pasted in place of its #include (what NVRTC compiles).
 
@@ -260,8 +271,12 @@ class CudaDevice:
         name = f"ringcomm_reduce_{_OP_NAME[op]}_{suffix}"
         k = kernel("reduce.cu", name)
         grid = _grid(k, name, self.device_id, -(-n * dtype.itemsize // (16 * UNROLL)))
-        k((grid,), (BLOCK,), (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(use_div),
-                              np.float64(div)), stream=self.stream)
+        k(
+            (grid,),
+            (BLOCK,),
+            (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(use_div), np.float64(div)),
+            stream=self.stream,
+        )
 
     def fold(self, work: Any, pieces: Any, op: ReduceOp, div: int = 1) -> None:
         """For each ``(lo, hi, views)`` of ``pieces``: ``work[lo:hi]`` = the views reduced in their
@@ -303,8 +318,11 @@ class CudaDevice:
         if n == 0:
             return
         name = f"ringcomm_reduce_acc_final_{_OP_NAME[op]}_{SUFFIX[a.dtype]}"
-        self._launch_acc(name, n, (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n),
-                                   np.int32(div != 1), np.float32(div)))
+        self._launch_acc(
+            name,
+            n,
+            (_u64(pointer(dst)), _u64(pointer(a)), _u64(pointer(b)), _u64(n), np.int32(div != 1), np.float32(div)),
+        )
 
     def widen(self, dst: Any, a: Any) -> None:
         """``dst[:] = float32(a)`` (exact; NaN as the positive quiet NaN) for float16 / bfloat16 ``a``, queued
@@ -393,8 +411,20 @@ class CudaDevice:
 
 # ------------------------------------------------------------------------------------- fused Adam
 def fused_adam(
-    master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, step: int, grad_scale: float = 1.0, out: Any = None, stream: Any = None,
+    master: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    out: Any = None,
+    stream: Any = None,
 ) -> Any:
     """One AdamW step over a shard, in one kernel, queued on ``stream`` (default: the current one).
 
@@ -464,8 +494,12 @@ def fused_adam(
     s = stream if stream is not None else cp.cuda.get_current_stream()
     dev = int(cp.cuda.runtime.getDevice())
     args = (
-        _u64(pointer(p)), _u64(pointer(g)), _u64(pointer(views["exp_avg"])), _u64(pointer(views["exp_avg_sq"])),
-        _u64(0 if o is None else pointer(o)), _u64(n),
+        _u64(pointer(p)),
+        _u64(pointer(g)),
+        _u64(pointer(views["exp_avg"])),
+        _u64(pointer(views["exp_avg_sq"])),
+        _u64(0 if o is None else pointer(o)),
+        _u64(n),
         *(np.float64(x) for x in (lr, beta1, beta2, float(eps), decay, bc1, bc2, float(grad_scale))),
     )
     k((_grid(k, name, dev, n),), (BLOCK,), args, stream=s)

@@ -29,8 +29,9 @@ class HostDevice:
         self._f32 = np.empty(0, np.float32)  # accumulation scratch for half types, grown once
         self._mask = np.empty(0, np.bool_)  # two masks for the float32-accumulation methods, grown once
 
-    def reduce(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1,
-               spare: bool = False) -> None:
+    def reduce(
+        self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp, div: int = 1, spare: bool = False
+    ) -> None:
         """``dst[:] = op(a, b)``, divided by ``div`` when div != 1; ``dst`` may be ``a``.
 
         Half types are combined in float32 and rounded once (so the AVG division is fused).

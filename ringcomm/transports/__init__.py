@@ -82,13 +82,13 @@ class PeerRecord:
         out = np.zeros(6 + MAX_PEERS, np.int64)
         forced = (NAMES.index(self.forced) + 1) if self.forced else 0
         out[:6] = self.node, self.gpu, self.aware, forced, self.streamops, len(peers)
-        out[6:6 + len(peers)] = peers
+        out[6 : 6 + len(peers)] = peers
         return out
 
     @classmethod
     def from_words(cls, w: Sequence[int]) -> PeerRecord:
         w = [int(v) for v in w]
-        return cls(w[0], w[1], frozenset(w[6:6 + w[5]]), bool(w[2]), NAMES[w[3] - 1] if w[3] else "", bool(w[4]))
+        return cls(w[0], w[1], frozenset(w[6 : 6 + w[5]]), bool(w[2]), NAMES[w[3] - 1] if w[3] else "", bool(w[4]))
 
 
 def bus_id(pci: str) -> int:
@@ -231,19 +231,32 @@ def select(comm: Any, kind: str) -> Link:
         return Link(comm, MpiRecv(comm, comm.slice_bytes), MpiSend(comm, comm.slice_bytes), ("mpi",) * n)
     if kind != "cuda":
         raise ValueError(f"no transport for arrays of kind {kind!r}")
-    records = [PeerRecord.from_words(row) for row in comm._allgather_ints(
-        _setup_context(comm), gpu_record(comm, name).words(), "exchanging what every rank's GPU can reach")]
+    records = [
+        PeerRecord.from_words(row)
+        for row in comm._allgather_ints(
+            _setup_context(comm), gpu_record(comm, name).words(), "exchanging what every rank's GPU can reach"
+        )
+    ]
     edges = choose_edges(records, comm.ring)
     if name == "ipc-stream" and "ipc" in edges:
-        msg = (f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
-               f"operations (rank {comm.rank}: {_stream_ops_problem(comm) or 'this one can'}); those IPC edges use ipc")
+        msg = (
+            f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
+            f"operations (rank {comm.rank}: {_stream_ops_problem(comm) or 'this one can'}); those IPC edges use ipc"
+        )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         log.warning(msg)
     recv_cls, _, recv_args = _halves(comm, edges[p])
     _, send_cls, send_args = _halves(comm, edges[(p + 1) % n])
     link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges)
-    log.debug("cuda transports on rank %d/%d: receives by %s, sends by %s; ring %s (RINGCOMM_TRANSPORT=%r)",
-              comm.rank, n, edges[p], edges[(p + 1) % n], link.describe(), name)
+    log.debug(
+        "cuda transports on rank %d/%d: receives by %s, sends by %s; ring %s (RINGCOMM_TRANSPORT=%r)",
+        comm.rank,
+        n,
+        edges[p],
+        edges[(p + 1) % n],
+        link.describe(),
+        name,
+    )
     return link
 
 
@@ -264,11 +277,14 @@ def gpu_record(comm: Any, forced: str) -> PeerRecord:
     rt = cupy.cuda.runtime
     me = rt.getDevice()
     peers = frozenset(
-        bus_id(cupy.cuda.Device(d).pci_bus_id) for d in range(rt.getDeviceCount())
+        bus_id(cupy.cuda.Device(d).pci_bus_id)
+        for d in range(rt.getDeviceCount())
         if d != me and rt.deviceCanAccessPeer(me, d)
     )
     streamops = forced == "ipc-stream" and not _stream_ops_problem(comm)
-    return PeerRecord(comm.node_index, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops)
+    return PeerRecord(
+        comm.node_index, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops
+    )
 
 
 def _stream_ops_problem(comm: Any) -> str:

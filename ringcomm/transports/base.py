@@ -50,8 +50,14 @@ def wait_until(done: Callable[[], bool], ctx: Any, step: int | None, peer: int, 
 
 
 def wait(
-    requests: Sequence[MPI.Request], ctx: Any, step: int | None, peer: int, what: str, *args: Any,
-    sizes: Sequence[int | None] | None = None, statuses: list[MPI.Status] | None = None,
+    requests: Sequence[MPI.Request],
+    ctx: Any,
+    step: int | None,
+    peer: int,
+    what: str,
+    *args: Any,
+    sizes: Sequence[int | None] | None = None,
+    statuses: list[MPI.Status] | None = None,
 ) -> None:
     """Complete the MPI ``requests`` (MPI_Testall also drives MPI's progress) within the timeout.
 
@@ -62,7 +68,7 @@ def wait(
     """
     if sizes is None:
         if len(requests) == 1:  # MPI_Test: MPICH 5.0's MPI_Testall fails a completed persistent
-            req = requests[0]   # collective with MPI_ERR_IN_STATUS (its status says MPI_SUCCESS)
+            req = requests[0]  # collective with MPI_ERR_IN_STATUS (its status says MPI_SUCCESS)
             if not req.Test():
                 wait_until(req.Test, ctx, step, peer, what, *args)
         elif not MPI.Request.Testall(requests):

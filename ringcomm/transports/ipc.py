@@ -243,7 +243,11 @@ class IpcSend(_IpcHalf):
         self._work, self._src, self._acc, self._bounds = work, src, ctx.acc, bounds
         base = ctx.identity()
         t_handles, self._t_ready, self._t_done, t_reply = (
-            base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
+            base | tags.HANDLES,
+            base | tags.READY,
+            base | tags.DONE,
+            base | tags.RELEASED,
+        )
         ctx.expect += (self._t_done, t_reply)
         self._problem = ""
         try:
@@ -263,8 +267,9 @@ class IpcSend(_IpcHalf):
         staging (the right does the same). True while the edge is IPC."""
         if self._setup:
             setup, self._setup = self._setup, []
-            wait(setup, self.ctx, step, self.comm.right, "rank %d to map this rank's memory (CUDA IPC)",
-                 self.comm.right)
+            wait(
+                setup, self.ctx, step, self.comm.right, "rank %d to map this rank's memory (CUDA IPC)", self.comm.right
+            )
             self._unpin_released(described=True)
             if self._reply_in[0] != _VALID:
                 _warn_fallback(self.comm, self._problem or f"rank {self.comm.right} could not map this rank's memory")
@@ -342,7 +347,7 @@ class IpcSend(_IpcHalf):
             return
         if not got[1]:
             return
-        released = {got[3 + 8 * i: 11 + 8 * i].tobytes() for i in range(int(got[1]))}
+        released = {got[3 + 8 * i : 11 + 8 * i].tobytes() for i in range(int(got[1]))}
         if described:
             released -= {self._desc_out[slot, 4:].tobytes() for slot in SLOTS}
         for handle in released:
@@ -373,7 +378,7 @@ class IpcSend(_IpcHalf):
             slot, offset = self._locate(send)
             if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
                 self._wait_done_before(step)
-                self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
+                self.device.copy(self._scratch[offset : offset + send.nbytes], send.view(np.uint8))
             ev = self._events.take()
             ev.record(self.stream)  # after the kernels that produced this chunk (and the scratch copy)
             wait_event(ev, self.ctx, step.index, right, "this rank's kernels producing chunk %s", step.send)
@@ -402,8 +407,13 @@ class IpcSend(_IpcHalf):
     def _wait_done_before(self, step: Any) -> None:
         earlier = [req for index, req in self._done_pending if index < step.index]
         if earlier:
-            wait(earlier, self.ctx, step.index, self.comm.right,
-                 "the right neighbour to finish reading this rank's earlier chunks (CUDA IPC)")
+            wait(
+                earlier,
+                self.ctx,
+                step.index,
+                self.comm.right,
+                "the right neighbour to finish reading this rank's earlier chunks (CUDA IPC)",
+            )
             self._done_pending = [(i, r) for i, r in self._done_pending if i >= step.index]
 
     def pump(self, step: Any, piece: int) -> None:
@@ -418,8 +428,13 @@ class IpcSend(_IpcHalf):
 
     def end(self) -> None:
         if self._active and self._connect(None):
-            wait([req for _, req in self._done_pending], self.ctx, None, self.comm.right,
-                 "the right neighbour to finish reading this rank's chunks (CUDA IPC)")
+            wait(
+                [req for _, req in self._done_pending],
+                self.ctx,
+                None,
+                self.comm.right,
+                "the right neighbour to finish reading this rank's chunks (CUDA IPC)",
+            )
             wait(self._sends, self.ctx, None, self.comm.right, "delivering CUDA IPC step messages")
         if self.fallback is not None:
             self.fallback.end()
@@ -436,11 +451,19 @@ class IpcSend(_IpcHalf):
             return
         ctx = _close_context(self.comm)
         try:
-            wait([self.comm.mpi.Irecv(self._reply_in, self.comm.right, ctx.tag)], ctx, None, self.comm.right,
-                 "the right neighbour to close its CUDA IPC mappings of this rank's memory")
+            wait(
+                [self.comm.mpi.Irecv(self._reply_in, self.comm.right, ctx.tag)],
+                ctx,
+                None,
+                self.comm.right,
+                "the right neighbour to close its CUDA IPC mappings of this rank's memory",
+            )
         except RingcommError as e:  # the neighbour is gone or aborted: keep the pins (the memory stays)
-            log.warning("ringcomm: rank %d closes without its right neighbour's word (%s); what it exported stays "
-                        "allocated", self.comm.rank, e)
+            log.warning(
+                "ringcomm: rank %d closes without its right neighbour's word (%s); what it exported stays allocated",
+                self.comm.rank,
+                e,
+            )
             return
         self._unpin_released()
         self._scratch = None
@@ -505,7 +528,11 @@ class IpcRecv(_IpcHalf):
         cupy = self._cupy
         base = ctx.identity()
         t_handles, self._t_ready, self._t_done, t_reply = (
-            base | tags.HANDLES, base | tags.READY, base | tags.DONE, base | tags.RELEASED)
+            base | tags.HANDLES,
+            base | tags.READY,
+            base | tags.DONE,
+            base | tags.RELEASED,
+        )
         # (and data: a left whose edge fell back to staging may be sending already)
         ctx.expect += (t_handles, self._t_ready, base | tags.DATA)
         mpi, left = self.comm.mpi, self.comm.left
@@ -542,7 +569,7 @@ class IpcRecv(_IpcHalf):
         out[:] = 0
         out[0], out[1], out[2] = _VALID if ok else _FAILED, len(sent), int(closing)
         for i, handle in enumerate(sent):
-            out[3 + 8 * i: 11 + 8 * i] = _words(handle)
+            out[3 + 8 * i : 11 + 8 * i] = _words(handle)
 
     def _forget_views(self) -> None:
         self._peer, self._opened, self._held, self._chunks = [], None, [], {}
@@ -570,7 +597,7 @@ class IpcRecv(_IpcHalf):
                 return None
             if len(self._chunks) >= 64:
                 self._chunks.clear()
-            view = self._chunks[key] = whole[offset: offset + nbytes].view(dtype)
+            view = self._chunks[key] = whole[offset : offset + nbytes].view(dtype)
         return view
 
     def _open(self, row: np.ndarray) -> Any:
@@ -597,7 +624,7 @@ class IpcRecv(_IpcHalf):
                 self._releases.remove(handle)
         if offset < 0 or offset + nbytes > alloc:
             raise RuntimeError(f"descriptor out of range: offset {offset} + {nbytes} bytes > allocation {alloc}")
-        return mapping.whole[offset: offset + nbytes]
+        return mapping.whole[offset : offset + nbytes]
 
     def _evict(self) -> None:
         # From begin() only, once every slot of the call is open, with _mapped_lock held: the

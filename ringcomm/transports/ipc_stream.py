@@ -103,13 +103,21 @@ class StreamOps:
 
     def wait(self, stream: Any, addr: int, value: int) -> None:
         """Queue on ``stream``: wait until the counter at ``addr`` reaches ``value`` (cyclically)."""
-        self._check("cuStreamWaitValue32", self.cu.cuStreamWaitValue32(
-            self.cu.CUstream(stream.ptr), self.cu.CUdeviceptr(addr), value & _MASK, self.GEQ))
+        self._check(
+            "cuStreamWaitValue32",
+            self.cu.cuStreamWaitValue32(
+                self.cu.CUstream(stream.ptr), self.cu.CUdeviceptr(addr), value & _MASK, self.GEQ
+            ),
+        )
 
     def write(self, stream: Any, addr: int, value: int) -> None:
         """Queue on ``stream``: write ``value`` at ``addr`` once the work queued before it completed."""
-        self._check("cuStreamWriteValue32", self.cu.cuStreamWriteValue32(
-            self.cu.CUstream(stream.ptr), self.cu.CUdeviceptr(addr), value & _MASK, self.DEFAULT))
+        self._check(
+            "cuStreamWriteValue32",
+            self.cu.cuStreamWriteValue32(
+                self.cu.CUstream(stream.ptr), self.cu.CUdeviceptr(addr), value & _MASK, self.DEFAULT
+            ),
+        )
 
 
 _support: dict[int, str] = {}
@@ -167,9 +175,13 @@ class Handshake:
             self.signal_stream = cupy.cuda.Stream(non_blocking=True)
             self._signalled = cupy.cuda.Event(block=False, disable_timing=True)
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
-            warnings.warn("ringcomm ipc-stream: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on "
-                          "one work queue: a stuck neighbour's TimeoutError is still raised, but the watchdog cannot "
-                          "release this rank's streams (they stay held)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "ringcomm ipc-stream: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on "
+                "one work queue: a stuck neighbour's TimeoutError is still raised, but the watchdog cannot "
+                "release this rank's streams (they stay held)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._cupy = cupy
         self._pending: collections.deque[_Wait] = collections.deque()
         self._free: list = []  # completed events, to reuse
@@ -235,9 +247,15 @@ class Handshake:
             release[w.addr] = max(release.get(w.addr, w.value), w.value)
         for addr, value in release.items():
             self.ops.write(self._release_stream, addr, value)
-        error = TimeoutError(head.collective, head.step, self.comm.rank, head.peer, self.comm.timeout,
-                             f"{head.what} (ipc-stream watchdog: call {head.call}'s wait on the GPU was "
-                             "released; the results of that call and of those queued after it are undefined)")
+        error = TimeoutError(
+            head.collective,
+            head.step,
+            self.comm.rank,
+            head.peer,
+            self.comm.timeout,
+            f"{head.what} (ipc-stream watchdog: call {head.call}'s wait on the GPU was "
+            "released; the results of that call and of those queued after it are undefined)",
+        )
         log.error("ringcomm: %s", error)
         if self.comm._late_error is None:
             self.comm._late_error = error
@@ -248,9 +266,9 @@ class Handshake:
         """Wait on the host (within the timeout) until every wait and counter write queued so far
         has completed: then no queued kernel reads a neighbour's mapping and no write into one is
         pending, so the mappings may be closed. False when they did not complete in time."""
-        from .staged import wait_event
         from ..devices import HostDevice
         from ..engine import Context
+        from .staged import wait_event
 
         ctx = Context("Communicator.close()", comm, HostDevice(), np.dtype(np.uint8), None)
         try:
@@ -260,8 +278,12 @@ class Handshake:
                     done.record(stream)
                 wait_event(done, ctx, None, comm.rank, "the GPU to finish this communicator's ipc-stream steps")
         except Exception as e:  # noqa: BLE001 - a stuck peer: the mappings must stay
-            log.warning("ringcomm: rank %d closes with ipc-stream work still queued (%s); its CUDA IPC mappings "
-                        "and exported memory stay for the life of the process", comm.rank, e)
+            log.warning(
+                "ringcomm: rank %d closes with ipc-stream work still queued (%s); its CUDA IPC mappings "
+                "and exported memory stay for the life of the process",
+                comm.rank,
+                e,
+            )
             return False
         return True
 
@@ -312,7 +334,7 @@ class IpcStreamSend(IpcSend):
         self._pins[self._flags_handle] = self._flags
         self._fill(FLAGS, self._flags_words, 0, FLAG_BYTES, FLAG_BYTES)
         # where each step's chunk lies: step, slot, byte offset in the slot's array, bytes
-        table = self._desc_out[len(SLOTS):, :4]
+        table = self._desc_out[len(SLOTS) :, :4]
         table[:] = -1
         steps, bound = self.ctx.sends
         arrays = (src, work, acc)
@@ -335,7 +357,7 @@ class IpcStreamSend(IpcSend):
             slot, offset = self._locate(send)
             if slot == SCRATCH:  # a write into the scratch: its earlier readers must be done
                 self._wait_read(step.index)
-                self.device.copy(self._scratch[offset: offset + send.nbytes], send.view(np.uint8))
+                self.device.copy(self._scratch[offset : offset + send.nbytes], send.view(np.uint8))
             self._announced += 1
             self._hs.signal(stream, self._flags.ptr + READY, self._announced)  # after the chunk's producers
         if writes:  # this step's kernel writes this rank's buffer: what the right reads must be read
@@ -350,8 +372,15 @@ class IpcStreamSend(IpcSend):
         # a wait queued for another stream (an earlier call's) orders nothing here: calls may come
         # on streams with no order between them, and this half's scratch is reused across calls
         if want > awaited or (want and stream is not self.stream):
-            self._hs.wait(self.ctx, self.stream, self._flags.ptr + DONE, want, step, self.comm.right,
-                          "the right neighbour to finish reading this rank's chunks (ipc-stream, on the GPU)")
+            self._hs.wait(
+                self.ctx,
+                self.stream,
+                self._flags.ptr + DONE,
+                want,
+                step,
+                self.comm.right,
+                "the right neighbour to finish reading this rank's chunks (ipc-stream, on the GPU)",
+            )
             self._awaited = (self.stream, want)
 
     def end(self) -> None:
@@ -388,11 +417,13 @@ class IpcStreamRecv(IpcRecv):
 
             flags = self._peer[FLAGS]
             if flags is None:
-                raise MismatchError(f"{ctx.collective} call {ctx.call}: rank {self.comm.left} sent no ipc-stream "
-                                    f"flags to rank {self.comm.rank}: the ranks disagree on the transport")
+                raise MismatchError(
+                    f"{ctx.collective} call {ctx.call}: rank {self.comm.left} sent no ipc-stream "
+                    f"flags to rank {self.comm.rank}: the ranks disagree on the transport"
+                )
             self._left_flags = pointer(flags)
             if self._where_of is not self._opened:  # (the same descriptor as the last call's: the same table)
-                table = self._desc_in[len(SLOTS):, :4].tolist()
+                table = self._desc_in[len(SLOTS) :, :4].tolist()
                 self._where = {r[0]: (r[1], r[2], r[3]) for r in table if r[0] >= 0}
                 self._where_of = self._opened
             self._check_sizes(ctx, bounds)
@@ -434,8 +465,15 @@ class IpcStreamRecv(IpcRecv):
             )
         sender.pump(step, 0)
         self._received += 1
-        self._hs.wait(self.ctx, self.stream, self._left_flags + READY, self._received, step.index, self.comm.left,
-                      f"chunk {step.recv} from the left (ipc-stream, on the GPU)")
+        self._hs.wait(
+            self.ctx,
+            self.stream,
+            self._left_flags + READY,
+            self._received,
+            step.index,
+            self.comm.left,
+            f"chunk {step.recv} from the left (ipc-stream, on the GPU)",
+        )
         self._reading = True
         yield 0, count, view
 

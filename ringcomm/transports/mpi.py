@@ -65,8 +65,9 @@ class MpiSend(_MpiHalf):
         if send is None or not send.size:
             return
         if not self._on_host:  # the chunk may still be in flight on the stream
-            self.device.synchronize(self.ctx, step.index, self.comm.right, "this rank's kernels producing chunk %s",
-                                    step.send)
+            self.device.synchronize(
+                self.ctx, step.index, self.comm.right, "this rank's kernels producing chunk %s", step.send
+            )
         mpi, right, tag = self.comm.mpi, self.comm.right, self._tag
         for lo, hi in slices(send.size, max(1, self.slice_bytes // send.itemsize)):
             self._sends.append(mpi.Isend(as_bytes(send[lo:hi]), right, tag))
@@ -96,7 +97,9 @@ class MpiSend(_MpiHalf):
         if send is None:
             return []
         per = max(1, self.slice_bytes // send.itemsize)
-        return [self.comm.mpi.Send_init(by_address(send[lo:hi]), self.comm.right, tag) for lo, hi in slices(send.size, per)]
+        return [
+            self.comm.mpi.Send_init(by_address(send[lo:hi]), self.comm.right, tag) for lo, hi in slices(send.size, per)
+        ]
 
 
 class MpiRecv(_MpiHalf):
@@ -139,8 +142,9 @@ class MpiRecv(_MpiHalf):
     def step_done(self, step: Any) -> None:
         if self._recvs:
             if not self._on_host:  # the scratch is reused by the next step's receive
-                self.device.synchronize(self.ctx, step.index, self.comm.left, "this rank's kernels reducing chunk %s",
-                                        step.recv)
+                self.device.synchronize(
+                    self.ctx, step.index, self.comm.left, "this rank's kernels reducing chunk %s", step.recv
+                )
             self._recvs = []
 
     def end(self) -> None:
@@ -162,8 +166,10 @@ class MpiRecv(_MpiHalf):
         if recv_into is None:
             return []
         mpi, left = self.comm.mpi, self.comm.left
-        return [(lo, hi, recv_into[lo:hi], mpi.Recv_init(by_address(recv_into[lo:hi]), left, tag))
-                for lo, hi in slices(recv_into.size, max(1, self.slice_bytes // recv_into.itemsize))]
+        return [
+            (lo, hi, recv_into[lo:hi], mpi.Recv_init(by_address(recv_into[lo:hi]), left, tag))
+            for lo, hi in slices(recv_into.size, max(1, self.slice_bytes // recv_into.itemsize))
+        ]
 
 
 class PreparedStep:
@@ -186,8 +192,16 @@ class PreparedStep:
         MPI.Prequest.Startall(self.all)
         try:
             if self.recvs:
-                wait(self.recvs, ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=self.sizes,
-                     statuses=self.statuses)
+                wait(
+                    self.recvs,
+                    ctx,
+                    step.index,
+                    self.comm.left,
+                    "receiving chunk %s",
+                    step.recv,
+                    sizes=self.sizes,
+                    statuses=self.statuses,
+                )
             if self.sends:
                 wait(self.sends, ctx, step.index, self.comm.right, "sending chunk %s", step.send)
         except BaseException:  # cancel the receives, abandon the sends (base.cancel)
@@ -306,7 +320,9 @@ class Exchange:
 
     def __init__(self, mpi: MPI.Intracomm, recvs: list, sends: list, tag: int) -> None:
         self.expect = (tag,)
-        self._recvs = [(rank, view.nbytes, mpi.Recv_init(by_address(view), rank, tag)) for rank, view in recvs if view.size]
+        self._recvs = [
+            (rank, view.nbytes, mpi.Recv_init(by_address(view), rank, tag)) for rank, view in recvs if view.size
+        ]
         self._sends = [(rank, mpi.Send_init(by_address(view), rank, tag)) for rank, view in sends if view.size]
         self._all = [req for *_, req in self._recvs] + [req for _, req in self._sends]
         self._statuses = [[MPI.Status()] for _ in self._recvs]

@@ -140,8 +140,9 @@ class SharedWindow:
                 # while this one still waits in it (watch() then looks for no rank ahead)
                 ctx.expect = (ctx.identity() | tags.SHARED,)
                 self._waiting = True
-                wait_until(lambda other=other: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank,
-                           what)
+                wait_until(
+                    lambda other=other: other[0] >= k, ctx, step, rank, "rank %d's %s in shared memory", rank, what
+                )
                 self._waiting = False
         self._sync()  # and read after it
         for _, other in self._others:
@@ -264,8 +265,10 @@ class SharedDirect(_Headed):
             pieces = -(-largest // longest)
             stride = -(-largest // pieces)  # (the runs as even as lines allow)
             stride = -(-stride // line) * line
-            self.runs = [[(lo + k * stride, min(lo + (k + 1) * stride, hi), q * stride) for q, (lo, hi) in enumerate(bounds)]
-                         for k in range(pieces)]
+            self.runs = [
+                [(lo + k * stride, min(lo + (k + 1) * stride, hi), q * stride) for q, (lo, hi) in enumerate(bounds)]
+                for k in range(pieces)
+            ]
             used = n * stride
         self.inboxes = [window.inbox(rank, used * size).view(dtype) for rank in range(n)]
         self.mine = self.inboxes[comm.rank]
@@ -276,7 +279,8 @@ class SharedDirect(_Headed):
         self.window.publish(ctx, 2 * piece, what, self.word(ctx))
 
     def outputs(self, ctx: Any, piece: int) -> None:
-        """Publish this rank's reduced run of ``piece`` (in the others' inboxes), wait for every rank's, check the headers."""
+        """Publish this rank's reduced run of ``piece`` (in the others' inboxes), wait for every rank's,
+        check the headers."""
         what = "reduced chunk" if len(self.runs) == 1 else f"reduced chunk of piece {piece}"
         self.window.publish(ctx, 2 * piece + 1, what, self.word(ctx))
 
@@ -309,6 +313,7 @@ class SharedPlaces(_Headed):
         self.window.publish(ctx, 0, what, self.word(ctx))
 
     def outputs(self, ctx: Any, what: str) -> None:
-        """After the reads of the others' inboxes: publish that (``what`` was read), wait for every rank (slots: nothing)."""
+        """After the reads of the others' inboxes: publish that (``what`` was read), wait for every rank
+        (slots: nothing)."""
         if self.twice:
             self.window.publish(ctx, 1, what, self.word(ctx))

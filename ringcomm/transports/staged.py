@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import tags
 from ..config import env, flag
 from ..devices import Reused
 from .base import cancel, slices, wait, wait_until
-from .. import tags
 
 #: Slices of a staged chunk are at least this large (fewer, larger host copies and messages).
 MIN_SLICE_BYTES = 4 << 20
@@ -166,7 +166,7 @@ class StagedSend(_Staged):
                     return
                 wait_event(ev, self.ctx, step.index, self.comm.right, "copying chunk %s to the host", step.send)
             self._pending.pop(0)
-            self._sends.append(mpi.Isend(self._host[lo * it: hi * it], self.comm.right, self._tag))
+            self._sends.append(mpi.Isend(self._host[lo * it : hi * it], self.comm.right, self._tag))
 
     def step_done(self, step: Any) -> None:
         if self._pending:
@@ -215,7 +215,7 @@ class StagedRecv(_Staged):
         self._recv_into, self._recv_dtype, it = recv_into, recv_dtype, recv_dtype.itemsize
         mpi, left = self.comm.mpi, self.comm.left
         for lo, hi in slices(recv_count, max(1, self.slice_bytes // it)):
-            view = self._host[lo * it: hi * it]
+            view = self._host[lo * it : hi * it]
             self._recvs.append((lo, hi, view, mpi.Irecv(view, left, self._tag)))
 
     def recv(self, step: Any, sender: Any) -> Iterator[tuple[int, int, Any]]:
@@ -230,7 +230,7 @@ class StagedRecv(_Staged):
             wait([req], self.ctx, step.index, self.comm.left, "receiving chunk %s", step.recv, sizes=(view.nbytes,))
             self._rt.memcpyAsync(dst + lo * it, view.ctypes.data, (hi - lo) * it, h2d, self.stream.ptr)
             if target is None:
-                yield lo, hi, self._dev_recv[lo * it: hi * it].view(self._recv_dtype)
+                yield lo, hi, self._dev_recv[lo * it : hi * it].view(self._recv_dtype)
             else:
                 yield lo, hi, None
         if self._recvs:

@@ -21,6 +21,16 @@ from .memory import estimate_memory, format_estimate, formula, memory_breakdown,
 from .scaler import LossScaler
 
 __all__ = [
-    "CheckpointError", "FlatLayout", "LossScaler", "ZeroShardManager", "adam_update", "apply_adam", "consolidate",
-    "estimate_memory", "format_estimate", "formula", "memory_breakdown", "parse_count",
+    "CheckpointError",
+    "FlatLayout",
+    "LossScaler",
+    "ZeroShardManager",
+    "adam_update",
+    "apply_adam",
+    "consolidate",
+    "estimate_memory",
+    "format_estimate",
+    "formula",
+    "memory_breakdown",
+    "parse_count",
 ]

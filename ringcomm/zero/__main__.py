@@ -25,14 +25,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ringcomm.zero", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     est = sub.add_parser("estimate", help="print model-state memory per rank for ZeRO stages 0-3")
-    est.add_argument("--params", "-p", required=True, help="parameter count Φ: 7.5B, 125M, 1.5e9 (suffixes are 1000-based)")
+    est.add_argument(
+        "--params", "-p", required=True, help="parameter count Φ: 7.5B, 125M, 1.5e9 (suffixes are 1000-based)"
+    )
     est.add_argument("--world-size", "-n", type=int, required=True, help="data-parallel ranks N")
     est.add_argument("--stage", type=int, choices=STAGES, action="append", help="only this stage (repeatable)")
-    est.add_argument("--precision", choices=sorted(PRESETS), default="mixed",
-                     help="preset for the byte counts: mixed = 2/2/12 (default), fp32 = 4/4/12, fp64 = 8/8/24")
-    est.add_argument("--param-bytes", type=float, default=None, help="bytes per parameter element (overrides the preset)")
+    est.add_argument(
+        "--precision",
+        choices=sorted(PRESETS),
+        default="mixed",
+        help="preset for the byte counts: mixed = 2/2/12 (default), fp32 = 4/4/12, fp64 = 8/8/24",
+    )
+    est.add_argument(
+        "--param-bytes", type=float, default=None, help="bytes per parameter element (overrides the preset)"
+    )
     est.add_argument("--grad-bytes", type=float, default=None, help="bytes per gradient element (overrides the preset)")
-    est.add_argument("--k", type=float, default=None, help="optimizer-state bytes per parameter, K (overrides the preset)")
+    est.add_argument(
+        "--k", type=float, default=None, help="optimizer-state bytes per parameter, K (overrides the preset)"
+    )
     a = ap.parse_args(argv)
     try:
         phi = parse_count(a.params)

@@ -65,9 +65,19 @@ def _check(master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, out: Any, hype
 
 
 def adam_update(
-    master: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, *,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-    grad_scale: float = 1.0, out: np.ndarray | None = None,
+    master: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    out: np.ndarray | None = None,
 ) -> None:
     """One AdamW step on numpy arrays (the formula in the module docstring), in place.
 
@@ -116,18 +126,54 @@ def adam_update(
 
 
 def apply_adam(
-    master: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-    grad_scale: float = 1.0, out: Any = None, stream: Any = None,
+    master: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    out: Any = None,
+    stream: Any = None,
 ) -> None:
     """AdamW on a shard, numpy or CuPy: numpy runs :func:`adam_update`, CuPy arrays run the fused
     kernel ``ringcomm.devices.cuda.fused_adam`` (one pass over the shard, on ``stream``)."""
     kind, _ = classify(master, "master")
     if kind == "host":
-        adam_update(master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=weight_decay, step=step, grad_scale=grad_scale, out=out)
+        adam_update(
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            step=step,
+            grad_scale=grad_scale,
+            out=out,
+        )
         return
     from ..devices.cuda import fused_adam
 
-    fused_adam(master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, step=step, grad_scale=grad_scale, out=out, stream=stream)
+    fused_adam(
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        grad_scale=grad_scale,
+        out=out,
+        stream=stream,
+    )

@@ -114,8 +114,9 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
         step = _int(_key(meta, "step"), "step")
         skipped = _int(meta.get("skipped_steps", 0), "skipped_steps")
         scaler = _scaler_state(meta.get("loss_scaler"))
-        shards = sorted((_shard(s, i) for i, s in enumerate(_list(meta, "shards"))),
-                        key=lambda s: (s["start"], s["stop"]))
+        shards = sorted(
+            (_shard(s, i) for i, s in enumerate(_list(meta, "shards"))), key=lambda s: (s["start"], s["stop"])
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: malformed checkpoint metadata ({e})") from None
     if sum(int(np.prod(s, dtype=np.int64)) for s in shapes) != count:
@@ -131,8 +132,15 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
         at = stop
     if at != count:
         raise CheckpointError(f"{path}: the shard ranges end at {at}, not at count={count}")
-    meta.update(shapes=shapes, count=count, master_dtype=master_dtype, step=step, skipped_steps=skipped,
-                loss_scaler=scaler, shards=shards)
+    meta.update(
+        shapes=shapes,
+        count=count,
+        master_dtype=master_dtype,
+        step=step,
+        skipped_steps=skipped,
+        loss_scaler=scaler,
+        shards=shards,
+    )
     return meta
 
 
@@ -181,8 +189,11 @@ def _scaler_state(value: Any) -> dict[str, Any]:
     scale = _key(value, "scale", "loss_scaler")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"loss_scaler.scale must be a finite number > 0; got {scale!r}")
-    return {"mode": "dynamic", "scale": float(scale),
-            "good_steps": _int(_key(value, "good_steps", "loss_scaler"), "loss_scaler.good_steps")}
+    return {
+        "mode": "dynamic",
+        "scale": float(scale),
+        "good_steps": _int(_key(value, "good_steps", "loss_scaler"), "loss_scaler.good_steps"),
+    }
 
 
 def _shard(value: Any, i: int) -> dict[str, Any]:
@@ -271,17 +282,34 @@ def save(mgr: Any, directory: str | os.PathLike) -> None:
     failed = [f"rank {r}: {m}" for r, ((ok, *_), m) in enumerate(table) if not ok]
     if not failed and comm.rank == 0:
         shards = [
-            {"file": f"shard-{r:05d}-of-{comm.size:05d}-{int(token[0]):012x}.bin", "start": v[1], "stop": v[2],
-             "nbytes": v[3], "crc32": v[4]}
+            {
+                "file": f"shard-{r:05d}-of-{comm.size:05d}-{int(token[0]):012x}.bin",
+                "start": v[1],
+                "stop": v[2],
+                "nbytes": v[3],
+                "crc32": v[4],
+            }
             for r, (v, _) in enumerate(table)
         ]
         meta = {
-            "format": FORMAT, "version": VERSION, "world_size": comm.size, "stage": mgr.stage,
-            "count": layout.count, "shapes": [list(s) for s in layout.shapes],
-            "param_dtype": str(mgr.dtype), "master_dtype": np.dtype(mgr.master_dtype).str.replace(">", "<"),
-            "step": mgr.step_count, "skipped_steps": mgr.skipped_steps, "loss_scaler": mgr.scaler.state_dict(),
-            "hyperparameters": {"lr": mgr.lr, "betas": list(mgr.betas), "eps": mgr.eps, "weight_decay": mgr.weight_decay,
-                                "max_grad_norm": mgr.max_grad_norm},
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": comm.size,
+            "stage": mgr.stage,
+            "count": layout.count,
+            "shapes": [list(s) for s in layout.shapes],
+            "param_dtype": str(mgr.dtype),
+            "master_dtype": np.dtype(mgr.master_dtype).str.replace(">", "<"),
+            "step": mgr.step_count,
+            "skipped_steps": mgr.skipped_steps,
+            "loss_scaler": mgr.scaler.state_dict(),
+            "hyperparameters": {
+                "lr": mgr.lr,
+                "betas": list(mgr.betas),
+                "eps": mgr.eps,
+                "weight_decay": mgr.weight_decay,
+                "max_grad_norm": mgr.max_grad_norm,
+            },
             "shards": shards,
         }
         try:
@@ -327,5 +355,7 @@ def load(mgr: Any, directory: str | os.PathLike) -> None:
     table = exchange(comm, [0 if err else 1], err)
     failed = [f"rank {r}: {m}" for r, ((ok, *_), m) in enumerate(table) if not ok]
     if failed:
-        raise CheckpointError(f"checkpoint {os.fspath(directory)} not loaded (nothing was changed): " + "; ".join(failed))
+        raise CheckpointError(
+            f"checkpoint {os.fspath(directory)} not loaded (nothing was changed): " + "; ".join(failed)
+        )
     mgr._commit_checkpoint(meta, staged)

@@ -111,4 +111,6 @@ class FlatLayout:
     def views(self, flat: Any, base: int = 0, indices: Sequence[int] | None = None) -> list[Any]:
         """Each parameter as a view of ``flat`` in its shape; ``flat[0]`` is flat element ``base``."""
         idx = range(len(self.sizes)) if indices is None else indices
-        return [flat[self.offsets[i] - base : self.offsets[i] - base + self.sizes[i]].reshape(self.shapes[i]) for i in idx]
+        return [
+            flat[self.offsets[i] - base : self.offsets[i] - base + self.sizes[i]].reshape(self.shapes[i]) for i in idx
+        ]

@@ -151,11 +151,15 @@ class ZeroShardManager:
         self.lr = _real("lr", lr, low=0.0, low_ok=True)
         if not isinstance(betas, Sequence) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}")
-        self.betas = (_real("betas[0]", betas[0], low=0.0, low_ok=True, high=1.0),
-                      _real("betas[1]", betas[1], low=0.0, low_ok=True, high=1.0))
+        self.betas = (
+            _real("betas[0]", betas[0], low=0.0, low_ok=True, high=1.0),
+            _real("betas[1]", betas[1], low=0.0, low_ok=True, high=1.0),
+        )
         self.eps = _real("eps", eps, low=0.0, low_ok=False)
         self.weight_decay = _real("weight_decay", weight_decay, low=0.0, low_ok=True)
-        self.max_grad_norm = None if max_grad_norm is None else _real("max_grad_norm", max_grad_norm, low=0.0, low_ok=False)
+        self.max_grad_norm = (
+            None if max_grad_norm is None else _real("max_grad_norm", max_grad_norm, low=0.0, low_ok=False)
+        )
         self.scaler = LossScaler(loss_scale)
         if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) or len(params) == 0:
             raise TypeError("params must be a non-empty list of arrays (one per parameter)")
@@ -165,7 +169,9 @@ class ZeroShardManager:
             raise TypeError("params mix numpy and GPU arrays; pass them all on the host or all on one GPU")
         dtypes = {a.dtype for _, a in arrays}
         if len(dtypes) != 1:
-            raise TypeError(f"params have several dtypes ({', '.join(sorted(map(str, dtypes)))}); use one working precision")
+            raise TypeError(
+                f"params have several dtypes ({', '.join(sorted(map(str, dtypes)))}); use one working precision"
+            )
         dtype = dtypes.pop()
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"params: dtype {dtype}; accepted working precisions: {', '.join(map(str, FLOAT_DTYPES))}")
@@ -184,8 +190,15 @@ class ZeroShardManager:
         # deadline): a different bucket_elements would make the reduce-scatter rounds differ in size
         sig = repr((self.kind, layout.shapes)).encode()
         digest = np.frombuffer(hashlib.sha256(sig).digest()[:16], np.int64)
-        mine = [stage, FLOAT_DTYPES.index(dtype), len(layout.sizes), layout.count, int(digest[0]), int(digest[1]),
-                bucket]
+        mine = [
+            stage,
+            FLOAT_DTYPES.index(dtype),
+            len(layout.sizes),
+            layout.count,
+            int(digest[0]),
+            int(digest[1]),
+            bucket,
+        ]
         table = exchange(comm, mine)
         first = table[0][0][: len(mine)]
         bad = [r for r, (v, _) in enumerate(table) if v[: len(mine)] != first]
@@ -232,7 +245,16 @@ class ZeroShardManager:
 
         log.debug(
             "zero: stage %d rank %d/%d: %d parameters, %d elements padded to %d (shard %d), %s/%s, bucket %d",
-            stage, rank, n, len(layout.sizes), layout.count, layout.padded, S, dtype, self.master_dtype, self._bucket,
+            stage,
+            rank,
+            n,
+            len(layout.sizes),
+            layout.count,
+            layout.padded,
+            S,
+            dtype,
+            self.master_dtype,
+            self._bucket,
         )
         self.step_count = 0  #: Adam's step t: applied steps (skipped ones do not count)
         self.skipped_steps = 0  #: steps skipped because of an overflow
@@ -412,9 +434,20 @@ class ZeroShardManager:
             target = self._param_flat[lo:hi]
         else:
             target = self._param_shard
-        apply_adam(self._master, reduced, self._exp_avg, self._exp_avg_sq, lr=self.lr, beta1=self.betas[0],
-                   beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay, step=self.step_count,
-                   grad_scale=inv * coef, out=target)
+        apply_adam(
+            self._master,
+            reduced,
+            self._exp_avg,
+            self._exp_avg_sq,
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            step=self.step_count,
+            grad_scale=inv * coef,
+            out=target,
+        )
         if stage in (1, 2):
             comm.all_gather(target, out=self._param_flat)
         self.scaler.update(overflow=False)
@@ -565,6 +598,8 @@ class ZeroShardManager:
             self._param_shard[...] = self._master
 
     def __repr__(self) -> str:
-        return (f"<ZeroShardManager stage {self.stage}, {len(self.layout.sizes)} parameters, "
-                f"{self.layout.count} elements (padded {self.layout.padded}), {self.dtype}, "
-                f"rank {self.comm.rank} of {self.comm.size}, step {self.step_count}>")
+        return (
+            f"<ZeroShardManager stage {self.stage}, {len(self.layout.sizes)} parameters, "
+            f"{self.layout.count} elements (padded {self.layout.padded}), {self.dtype}, "
+            f"rank {self.comm.rank} of {self.comm.size}, step {self.step_count}>"
+        )

@@ -65,7 +65,9 @@ def estimate_memory(
     Defaults are the paper's mixed-precision Adam: 2-byte parameters and gradients, K = 12.
     ``estimate_memory(7.5e9, 64, 0)`` is 1.2e11 (120 GB); stages 1-3 give 31.4, 16.6 and 1.9 GB.
     """
-    return sum(memory_breakdown(num_params, world_size, stage, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k).values())
+    return sum(
+        memory_breakdown(num_params, world_size, stage, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k).values()
+    )
 
 
 def _num(x: float) -> str:
@@ -102,7 +104,12 @@ def parse_count(text: str | int | float) -> int:
 
 
 def format_estimate(
-    num_params: int, world_size: int, *, param_bytes: float = 2, grad_bytes: float = 2, k: float = 12,
+    num_params: int,
+    world_size: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    k: float = 12,
     stages: tuple[int, ...] = STAGES,
 ) -> str:
     """The estimator's table: one line per stage with the formula, its value and bytes per rank."""
@@ -119,5 +126,7 @@ def format_estimate(
         rows.append((str(s), what[s], f, f"{total / 1e9:.1f} GB", f"{total:,.0f}"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
-        lines.append("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip()
+        )
     return "\n".join(lines)

@@ -14,8 +14,17 @@ import warnings
 import numpy as np
 import pytest
 from conftest import (
-    default_gpu_transport, require_gpu, transport_env,
-    DTYPES, assert_identical_on_all_ranks, assert_matches, gather_all, make_comm, ops_for, random_input, shared_seed,
+    DTYPES,
+    assert_identical_on_all_ranks,
+    assert_matches,
+    default_gpu_transport,
+    gather_all,
+    make_comm,
+    ops_for,
+    random_input,
+    require_gpu,
+    shared_seed,
+    transport_env,
 )
 from mpi4py import MPI
 
@@ -212,6 +221,7 @@ def test_ipc_failure_falls_back_to_staged_on_that_edge(monkeypatch):
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     if mpi.rank == 1:  # one rank cannot open its neighbour's handle
+
         def broken(self, row):
             raise RuntimeError("simulated cudaIpcOpenMemHandle failure")
 
@@ -243,8 +253,9 @@ def test_transport_choice_is_logged(caplog):
         comm.all_reduce(x)
     t = default_gpu_transport()
     assert comm.transport_name(x) == t  # two ranks on one node
-    assert any("cuda transports" in rec.getMessage() and f"0 -{t}-> 1 -{t}-> (0)" in rec.getMessage()
-               for rec in caplog.records)
+    assert any(
+        "cuda transports" in rec.getMessage() and f"0 -{t}-> 1 -{t}-> (0)" in rec.getMessage() for rec in caplog.records
+    )
     assert any(f"transport={t} " in rec.getMessage() for rec in caplog.records)
 
 
@@ -353,8 +364,9 @@ def test_float32_accumulation_is_bitwise_the_hosts():
                     what = f"{transport} N={n} {dtype} {op} count={count}"
                     x = random_input(rng, count, dtype, op)
                     expect = hostcomm.all_reduce(x.copy(), op, accumulate="float32")
-                    assert host(ring.all_reduce(dev(x, count % 2), op, accumulate="float32")).tobytes() == \
-                        expect.tobytes(), f"all_reduce {what}"
+                    assert (
+                        host(ring.all_reduce(dev(x, count % 2), op, accumulate="float32")).tobytes() == expect.tobytes()
+                    ), f"all_reduce {what}"
                     if count * dtype.itemsize <= small.small_bytes:
                         got = host(small.all_reduce(dev(x), op, out=poisoned(count, dtype), accumulate="float32"))
                         assert got.tobytes() == expect.tobytes(), f"gather-fold all_reduce {what}"
@@ -469,8 +481,11 @@ def test_small_collectives_go_through_the_host_in_stream_order(caplog):
         assert (host(gathered) == summed * n).all(), f"{transport}: all_gather"
         assert (host(z) == (base * n + n * (n - 1) if r == 0 else base + 2 * r)).all(), f"{transport}: reduce"
         via = [rec.getMessage().split(":")[0] for rec in caplog.records if "through the host" in rec.getMessage()]
-        want = [] if transport == "ipc-stream" else ["all_reduce", "all_reduce", "reduce_scatter", "broadcast",
-                                                    "all_gather", "reduce"]
+        want = (
+            []
+            if transport == "ipc-stream"
+            else ["all_reduce", "all_reduce", "reduce_scatter", "broadcast", "all_gather", "reduce"]
+        )
         assert via == want, (transport, via)
         comm.close()
 
@@ -491,7 +506,10 @@ def test_ranks_whose_small_bytes_differ_route_gpu_calls_alike(caplog):
                 x = cupy.full(count, r + 1, cupy.float32)
                 comm.all_reduce(x)
                 shard = comm.reduce_scatter(x)
-            assert (host(x) == n * (n + 1) // 2).all() and (host(shard) == n * n * (n + 1) // 2).all(), (transport, count)
+            assert (host(x) == n * (n + 1) // 2).all() and (host(shard) == n * n * (n + 1) // 2).all(), (
+                transport,
+                count,
+            )
             routed = sum("through the host" in rec.getMessage() for rec in caplog.records)
             assert routed == (2 if via else 0), (transport, count, routed)
         comm.close()

@@ -171,14 +171,14 @@ def test_send_scratch_is_not_overwritten_by_a_call_on_another_stream(monkeypatch
     with a:
         out1, out2 = cupy.zeros(n * m, cupy.float32), cupy.zeros(n * m, cupy.float32)
         comm.all_gather(cupy.full(m, -1.0, cupy.float32), out=cupy.empty(n * m, cupy.float32), stream=a)  # set-up
-        out1[r * m:(r + 1) * m] = 1 + 10 * r
-        out2[r * m:(r + 1) * m] = 2 + 10 * r
+        out1[r * m : (r + 1) * m] = 1 + 10 * r
+        out2[r * m : (r + 1) * m] = 2 + 10 * r
     a.synchronize()
     if r == 1:
         gate.hold(a)
     try:
-        comm.all_gather(out1[r * m:(r + 1) * m], out=out1, stream=a)
-        comm.all_gather(out2[r * m:(r + 1) * m], out=out2, stream=b)
+        comm.all_gather(out1[r * m : (r + 1) * m], out=out1, stream=a)
+        comm.all_gather(out2[r * m : (r + 1) * m], out=out2, stream=b)
         if r == 1:
             time.sleep(0.5)  # rank 0's call 2 on B has every chance to overwrite its scratch now
     finally:

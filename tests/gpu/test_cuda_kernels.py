@@ -61,15 +61,15 @@ def guarded(host: np.ndarray, offset: int, poison: int = 0x5A):
     """A device buffer of poison bytes with ``host`` copied in at element ``offset`` (+ GUARD around)."""
     item = host.dtype.itemsize
     raw = np.full((offset + host.size + GUARD) * item, poison, np.uint8)
-    raw[offset * item: (offset + host.size) * item] = host.view(np.uint8)
+    raw[offset * item : (offset + host.size) * item] = host.view(np.uint8)
     draw = to_device(raw)
-    return draw, draw[offset * item: (offset + host.size) * item].view(host.dtype)
+    return draw, draw[offset * item : (offset + host.size) * item].view(host.dtype)
 
 
 def outside_untouched(draw, view, poison: int = 0x5A) -> bool:
     raw = cupy.asnumpy(draw)
     lo = view.data.ptr - draw.data.ptr
-    return bool((raw[:lo] == poison).all() and (raw[lo + view.nbytes:] == poison).all())
+    return bool((raw[:lo] == poison).all() and (raw[lo + view.nbytes :] == poison).all())
 
 
 def test_reduce_every_dtype_op_and_alignment():
@@ -79,7 +79,7 @@ def test_reduce_every_dtype_op_and_alignment():
         for op in OPS:
             for n in COUNTS:
                 for offs in OFFSETS:
-                    for div in ([1, 3] if dtype in FLOAT_DTYPES else [1]):
+                    for div in [1, 3] if dtype in FLOAT_DTYPES else [1]:
                         a, b = random(rng, dtype, n, op), random(rng, dtype, n, op)
                         want = reference(a, b, op, div)
                         poison = np.zeros(n, dtype)  # the output view starts as poison bytes
@@ -97,8 +97,9 @@ def test_reduce_every_dtype_op_and_alignment():
                 raw, av = guarded(a, 1)
                 dev.reduce(av, av, to_device(b), op)
                 dev.stream.synchronize()
-                np.testing.assert_array_equal(bits(cupy.asnumpy(av)), bits(reference(a, b, op, 1)),
-                                              err_msg=f"in place {dtype} {op} n={n}")
+                np.testing.assert_array_equal(
+                    bits(cupy.asnumpy(av)), bits(reference(a, b, op, 1)), err_msg=f"in place {dtype} {op} n={n}"
+                )
                 assert outside_untouched(raw, av)
 
 
@@ -113,8 +114,11 @@ def test_reduce_large_buffers_take_several_grid_strides():
                 raw, dst = guarded(np.zeros(n, dtype), offs[0])
                 dev.reduce(dst, guarded(a, offs[1])[1], guarded(b, offs[2])[1], ReduceOp.SUM)
                 dev.stream.synchronize()
-                np.testing.assert_array_equal(bits(cupy.asnumpy(dst)), bits(reference(a, b, ReduceOp.SUM, 1)),
-                                              err_msg=f"{dtype} n={n} offsets={offs}")
+                np.testing.assert_array_equal(
+                    bits(cupy.asnumpy(dst)),
+                    bits(reference(a, b, ReduceOp.SUM, 1)),
+                    err_msg=f"{dtype} n={n} offsets={offs}",
+                )
                 assert outside_untouched(raw, dst)
     src = rng.integers(0, 256, (40 << 20) + 7, dtype=np.uint8)
     raw, d = guarded(np.zeros(src.size, np.uint8), 3)
@@ -165,8 +169,9 @@ def _acc_run(dev, kind: str, dst, a, b, op: ReduceOp, div: int) -> None:
         dev.widen(dst, a)
 
 
-def _acc_case(rng, dev, host, kind: str, dtype, op: ReduceOp, n: int, offs, div: int, in_place: bool,
-              plain: bool = False) -> None:
+def _acc_case(
+    rng, dev, host, kind: str, dtype, op: ReduceOp, n: int, offs, div: int, in_place: bool, plain: bool = False
+) -> None:
     """One CudaDevice call against the HostDevice's (and the numpy reference's) bits; ``plain``: ordinary
     values with a few specials (cheaper to make, for large buffers)."""
     if plain:
@@ -314,14 +319,27 @@ def test_fused_adam_every_dtype_combination():
                 p, m, v = to_device(p0), to_device(m0), to_device(v0)
                 out_raw, out = guarded(np.zeros(n, odt) if odt is not None else np.full(n, 0x5A, np.uint8), 1)
                 for step in (1, 2):
-                    res = fused_adam(p, to_device(g), m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                                     step=step, grad_scale=scale, out=out if odt is not None else None)
+                    res = fused_adam(
+                        p,
+                        to_device(g),
+                        m,
+                        v,
+                        lr=lr,
+                        beta1=b1,
+                        beta2=b2,
+                        eps=eps,
+                        weight_decay=wd,
+                        step=step,
+                        grad_scale=scale,
+                        out=out if odt is not None else None,
+                    )
                     assert res is (out if odt is not None else p)
                     gg = g.astype(np.float64) * scale
                     m0 = b1 * m0.astype(np.float64) + (1 - b1) * gg
                     v0 = b2 * v0.astype(np.float64) + (1 - b2) * gg * gg
                     p0 = p0.astype(np.float64) * (1 - lr * wd) - lr * (m0 / (1 - b1**step)) / (
-                        np.sqrt(v0 / (1 - b2**step)) + eps)
+                        np.sqrt(v0 / (1 - b2**step)) + eps
+                    )
                 u = 2.0**-24 if pdt == np.float32 else 2.0**-53  # unit roundoff; atol: a few ulps of the inputs
                 what = f"master {pdt} grad {gdt} out {odt}"
                 got = cupy.asnumpy(p)

@@ -15,8 +15,9 @@ from conftest import default_gpu_transport, make_comm, require_gpu
 
 cupy, _ngpu = require_gpu()
 
-from ringcomm.transports.staged import cuda_aware_mpi  # noqa: E402
 from test_cuda_collectives import check_every_op_and_dtype  # noqa: E402
+
+from ringcomm.transports.staged import cuda_aware_mpi  # noqa: E402
 
 
 def expected_edges(comm) -> tuple[str, ...]:

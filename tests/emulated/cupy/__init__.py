@@ -86,8 +86,9 @@ _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy
 _lock = threading.RLock()
 _progress = threading.Condition(_lock)  # wakes the progress thread (a memory operation was queued)
 _POLL = 0.0005  # seconds between two looks at an unsatisfied value wait
-_WORK_QUEUES = max(1, int(os.environ.get("RINGCOMM_EMULATED_WORK_QUEUES")
-                          or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8))
+_WORK_QUEUES = max(
+    1, int(os.environ.get("RINGCOMM_EMULATED_WORK_QUEUES") or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8)
+)
 _work_queue_ids = itertools.count()
 _kernels_run = 0  # kernel launches executed (not queued) by this process
 _driver_initialized = False  # cuInit done (by the runtime on a thread's first context, or cuInit)
@@ -165,8 +166,10 @@ def _peer_rule():
         try:
             groups.append({int(m) for m in part.strip().split("-")})
         except ValueError:
-            raise ValueError(f"RINGCOMM_EMULATED_PEER_ACCESS={text!r}: expected all, none or groups of device "
-                             "ids joined by '-' and separated by ',' (e.g. 0-1,2-3)") from None
+            raise ValueError(
+                f"RINGCOMM_EMULATED_PEER_ACCESS={text!r}: expected all, none or groups of device "
+                "ids joined by '-' and separated by ',' (e.g. 0-1,2-3)"
+            ) from None
     return groups
 
 
@@ -230,8 +233,14 @@ def _set_device(device) -> None:
 class _Allocation:
     """One shared-memory mapping: an allocation of this process, or a neighbour's opened by IPC."""
 
-    def __init__(self, size: int, name: str | None = None, ipc: bool = True, imported: bool = False,
-                 exporter_device: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        name: str | None = None,
+        ipc: bool = True,
+        imported: bool = False,
+        exporter_device: int | None = None,
+    ) -> None:
         self.size = max(int(size), 1)
         self.imported = imported
         # the device it belongs to: the current one when it was allocated, or for an IPC mapping the
@@ -319,7 +328,8 @@ def _device_region(ptr: int, nbytes: int, device: int, what: str) -> _Allocation
         raise RuntimeError(
             f"emulated CUDA: {what} on device {device} touches address {ptr:#x} (+{nbytes} bytes), {kind} "
             f"{a.device}, and device {device} has no peer access to device {a.device}: an illegal memory "
-            "access on a GPU (cudaErrorIllegalAddress)")
+            "access on a GPU (cudaErrorIllegalAddress)"
+        )
     return a
 
 
@@ -604,8 +614,9 @@ class Stream:
             else:
                 before = [Stream.null] if self.blocking else []
                 if self._work_queue is not None:  # the streams aliased onto this one's work queue
-                    before += [s for s in list(Stream._by_ptr.values())
-                               if s is not self and s._work_queue == self._work_queue]
+                    before += [
+                        s for s in list(Stream._by_ptr.values()) if s is not self and s._work_queue == self._work_queue
+                    ]
             for s in before:
                 m = s._mark()
                 if m is not None:
@@ -759,8 +770,9 @@ def _stream_device(stream: Stream) -> int:
     cur = _current_device()
     dev = cur if stream.device_id == -1 else stream.device_id
     if dev != cur:
-        raise RuntimeError(f"The device that the stream is created on ({dev}) does not match with the current "
-                           f"device ({cur})")
+        raise RuntimeError(
+            f"The device that the stream is created on ({dev}) does not match with the current device ({cur})"
+        )
     return dev
 
 
@@ -936,8 +948,14 @@ class ndarray:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.shape, "typestr": self.dtype.str, "descr": [("", self.dtype.str)],
-                "data": (self.data.ptr, False), "version": 3, "strides": None}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "descr": [("", self.dtype.str)],
+            "data": (self.data.ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
     def _np(self) -> np.ndarray:
         """A numpy view of the memory (host code only; kernels go through the harness)."""
@@ -978,6 +996,7 @@ class ndarray:
 
             def op() -> None:
                 target._np()[...] = val
+
         get_current_stream()._enqueue(op)
 
     def reshape(self, *shape) -> ndarray:
@@ -1013,8 +1032,10 @@ class ndarray:
         self[...] = value
 
     def __mul__(self, other):
-        return self._unary(lambda a: a * other, np.result_type(self.dtype, np.asarray(other).dtype)
-                           if not isinstance(other, (int, float)) else self.dtype)
+        return self._unary(
+            lambda a: a * other,
+            np.result_type(self.dtype, np.asarray(other).dtype) if not isinstance(other, (int, float)) else self.dtype,
+        )
 
     __rmul__ = __mul__
 
@@ -1075,16 +1096,34 @@ def asarray(a, dtype=None) -> ndarray:
     return out
 
 
-_DL_DTYPES = {(0, 8): np.int8, (0, 16): np.int16, (0, 32): np.int32, (0, 64): np.int64, (1, 8): np.uint8,
-              (1, 16): np.uint16, (1, 32): np.uint32, (1, 64): np.uint64, (2, 16): np.float16, (2, 32): np.float32,
-              (2, 64): np.float64}
+_DL_DTYPES = {
+    (0, 8): np.int8,
+    (0, 16): np.int16,
+    (0, 32): np.int32,
+    (0, 64): np.int64,
+    (1, 8): np.uint8,
+    (1, 16): np.uint16,
+    (1, 32): np.uint32,
+    (1, 64): np.uint64,
+    (2, 16): np.float16,
+    (2, 32): np.float32,
+    (2, 64): np.float64,
+}
 
 
 class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
-                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
-                ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 class _DLPackOwner:
@@ -1113,8 +1152,9 @@ def from_dlpack(array, *, device=None, copy=None) -> ndarray:
     except TypeError:
         capsule = array.__dlpack__(stream=stream)
     capi = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)  # private: pythonapi's are shared
-    is_valid, get_pointer, set_name = (capi((f, ctypes.pythonapi)) for f in
-                                       ("PyCapsule_IsValid", "PyCapsule_GetPointer", "PyCapsule_SetName"))
+    is_valid, get_pointer, set_name = (
+        capi((f, ctypes.pythonapi)) for f in ("PyCapsule_IsValid", "PyCapsule_GetPointer", "PyCapsule_SetName")
+    )
     name = next((n for n in _CAPSULE_NAMES if is_valid(capsule, n)), None)
     if name is None:
         raise ValueError("A DLPack tensor object cannot be consumed multiple times")
@@ -1128,7 +1168,9 @@ def from_dlpack(array, *, device=None, copy=None) -> ndarray:
     set_name(capsule, _CAPSULE_NAMES[name])  # static bytes: they live as long as the module
     owner = _DLPackOwner(managed, deleter)
     if t.device_type not in (2, 13):
-        raise RuntimeError("CuPy is built against CUDA, different from the backend that backs the incoming DLPack tensor")
+        raise RuntimeError(
+            "CuPy is built against CUDA, different from the backend that backs the incoming DLPack tensor"
+        )
     if (t.code, t.bits) == (4, 16):
         import ml_dtypes
 
@@ -1139,7 +1181,7 @@ def from_dlpack(array, *, device=None, copy=None) -> ndarray:
         raise TypeError(f"Unsupported dtype. dtype code: {t.code}")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     if t.strides:
-        want = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(t.ndim)]  # C order, in elements
+        want = [int(np.prod(shape[i + 1 :], dtype=np.int64)) for i in range(t.ndim)]  # C order, in elements
         if any(t.strides[i] != want[i] for i in range(t.ndim) if shape[i] > 1):
             raise NotImplementedError("emulated cupy: from_dlpack of a non-C-contiguous tensor")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -1214,8 +1256,17 @@ def _lib():
         lib.rc_host_copy.argtypes = [vp, vp, u64, u64]
         lib.rc_host_adam.argtypes = [ctypes.c_int] * 3 + [vp] * 5 + [u64, vp, u64]
         lib.rc_host_reduce_acc.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, u64]
-        lib.rc_host_reduce_acc_final.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, vp, u64, ctypes.c_int,
-                                                 ctypes.c_float, u64]
+        lib.rc_host_reduce_acc_final.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            vp,
+            vp,
+            vp,
+            u64,
+            ctypes.c_int,
+            ctypes.c_float,
+            u64,
+        ]
         lib.rc_host_widen.argtypes = [ctypes.c_int, vp, vp, u64, u64]
         lib.rc_host_misaligned.restype = u64
         _harness = lib
@@ -1230,8 +1281,12 @@ class _Kernel:
             self.kind = "copy"
         elif name.startswith("ringcomm_reduce_") and parts[2] in _OPS and parts[3] in _DT:
             self.kind = "reduce"
-        elif name.startswith("ringcomm_reduce_acc_final_") and len(parts) == 6 and parts[4] in _OPS and (
-                parts[5] in _DT[:2]):
+        elif (
+            name.startswith("ringcomm_reduce_acc_final_")
+            and len(parts) == 6
+            and parts[4] in _OPS
+            and (parts[5] in _DT[:2])
+        ):
             self.kind = "acc_final"  # csrc/accumulate.cu: ringcomm_reduce_acc_final_<op>_<f16|bf16>
         elif name.startswith("ringcomm_reduce_acc_") and len(parts) == 5 and parts[3] in _OPS and parts[4] in _DT[:2]:
             self.kind = "acc"  # ringcomm_reduce_acc_<op>_<f16|bf16>
@@ -1266,8 +1321,9 @@ class _Kernel:
                 touch(p, n * item)
 
             def run() -> None:
-                rc = _lib().rc_host_reduce(_DT.index(parts[3]), _OPS.index(parts[2]), dst, a, b, n, use_div, div,
-                                           nthreads)
+                rc = _lib().rc_host_reduce(
+                    _DT.index(parts[3]), _OPS.index(parts[2]), dst, a, b, n, use_div, div, nthreads
+                )
                 assert rc == 0
         elif self.kind in ("acc", "acc_final", "widen"):
             dt = parts[-1]
@@ -1306,8 +1362,19 @@ class _Kernel:
             s = np.array(scalars, np.float64)
 
             def run() -> None:
-                rc = _lib().rc_host_adam(_DT.index(pd), _DT.index(gd), -1 if od == "none" else _DT.index(od), p, g,
-                                         m, v, out, n, s.ctypes.data, nthreads)
+                rc = _lib().rc_host_adam(
+                    _DT.index(pd),
+                    _DT.index(gd),
+                    -1 if od == "none" else _DT.index(od),
+                    p,
+                    g,
+                    m,
+                    v,
+                    out,
+                    n,
+                    s.ctypes.data,
+                    nthreads,
+                )
                 assert rc == 0
 
         def checked() -> None:
@@ -1323,8 +1390,8 @@ class _Kernel:
 
 class RawModule:
     def __init__(self, code: str | None = None, path: str | None = None, options=(), **kw) -> None:
-        if "extern \"C\"" not in (code or ""):
-            raise RuntimeError("emulated cupy: RawModule without extern \"C\" kernels")
+        if 'extern "C"' not in (code or ""):
+            raise RuntimeError('emulated cupy: RawModule without extern "C" kernels')
         self.code = code
 
     def get_function(self, name: str) -> _Kernel:
@@ -1340,6 +1407,7 @@ class RawModule:
 
 # ------------------------------------------------------------------------------------- cuda.runtime
 # CuPy's signatures (cupy_backends/cuda/api/runtime.pyx); the errors are the CUDA runtime's
+
 
 def _deviceCanAccessPeer(device: int, peerDevice: int) -> int:
     """cudaDeviceCanAccessPeer: 1 or 0 (RINGCOMM_EMULATED_PEER_ACCESS); 0 for device == peerDevice;
@@ -1389,8 +1457,16 @@ def _deviceGetAttribute(attrib: int, device: int) -> int:
 
 def _getDeviceProperties(device: int) -> dict:
     device = _check_device(device)
-    return {"name": b"Emulated GPU (CPU stand-in)", "multiProcessorCount": _SM_COUNT, "major": 9, "minor": 0,
-            "totalGlobalMem": 1 << 34, "pciBusID": device, "pciDeviceID": 0, "pciDomainID": 0}
+    return {
+        "name": b"Emulated GPU (CPU stand-in)",
+        "multiProcessorCount": _SM_COUNT,
+        "major": 9,
+        "minor": 0,
+        "totalGlobalMem": 1 << 34,
+        "pciBusID": device,
+        "pciDeviceID": 0,
+        "pciDomainID": 0,
+    }
 
 
 _opened: dict[bytes, int] = {}
@@ -1472,29 +1548,54 @@ def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> N
 
 
 runtime = types.SimpleNamespace(
-    getDevice=_current_device, setDevice=_set_device, getDeviceCount=_device_count,
-    deviceCanAccessPeer=_deviceCanAccessPeer, deviceEnablePeerAccess=_deviceEnablePeerAccess,
-    deviceDisablePeerAccess=_deviceDisablePeerAccess, deviceGetPCIBusId=_deviceGetPCIBusId,
-    deviceGetByPCIBusId=_deviceGetByPCIBusId, cudaDevAttrMultiProcessorCount=16,
+    getDevice=_current_device,
+    setDevice=_set_device,
+    getDeviceCount=_device_count,
+    deviceCanAccessPeer=_deviceCanAccessPeer,
+    deviceEnablePeerAccess=_deviceEnablePeerAccess,
+    deviceDisablePeerAccess=_deviceDisablePeerAccess,
+    deviceGetPCIBusId=_deviceGetPCIBusId,
+    deviceGetByPCIBusId=_deviceGetByPCIBusId,
+    cudaDevAttrMultiProcessorCount=16,
     deviceGetAttribute=_deviceGetAttribute,
-    memcpyAsync=_memcpyAsync, memcpyDeviceToHost=2, memcpyHostToDevice=1, memcpyDeviceToDevice=3,
-    ipcGetMemHandle=_ipcGetMemHandle, ipcOpenMemHandle=_ipcOpenMemHandle, ipcCloseMemHandle=_ipcCloseMemHandle,
+    memcpyAsync=_memcpyAsync,
+    memcpyDeviceToHost=2,
+    memcpyHostToDevice=1,
+    memcpyDeviceToDevice=3,
+    ipcGetMemHandle=_ipcGetMemHandle,
+    ipcOpenMemHandle=_ipcOpenMemHandle,
+    ipcCloseMemHandle=_ipcCloseMemHandle,
     cudaIpcMemLazyEnablePeerAccess=cudaIpcMemLazyEnablePeerAccess,
-    CUDARuntimeError=CUDARuntimeError, deviceSynchronize=lambda: _flush_device(_current_device()),
+    CUDARuntimeError=CUDARuntimeError,
+    deviceSynchronize=lambda: _flush_device(_current_device()),
     # CuPy's aliases of cudaError_t values
-    errorInvalidValue=1, errorPeerAccessAlreadyEnabled=704, errorInvalidResourceHandle=400,
+    errorInvalidValue=1,
+    errorPeerAccessAlreadyEnabled=704,
+    errorInvalidResourceHandle=400,
     # versions encoded as CUDA does (1000 * major + 10 * minor); the properties ringcomm.bench prints
-    runtimeGetVersion=lambda: 13000, driverGetVersion=lambda: 13000,
+    runtimeGetVersion=lambda: 13000,
+    driverGetVersion=lambda: 13000,
     getDeviceProperties=_getDeviceProperties,
 )
-driver = types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2,
-                               CUDADriverError=CUDADriverError)
+driver = types.SimpleNamespace(
+    occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2, CUDADriverError=CUDADriverError
+)
 
 
 cuda = types.SimpleNamespace(
-    Stream=Stream, ExternalStream=ExternalStream, Event=Event, Device=Device, get_current_stream=get_current_stream,
-    Memory=Memory, MemoryPointer=MemoryPointer, UnownedMemory=UnownedMemory, alloc_pinned_memory=alloc_pinned_memory,
-    MemoryPool=MemoryPool, runtime=runtime, driver=driver, is_available=lambda: True,
+    Stream=Stream,
+    ExternalStream=ExternalStream,
+    Event=Event,
+    Device=Device,
+    get_current_stream=get_current_stream,
+    Memory=Memory,
+    MemoryPointer=MemoryPointer,
+    UnownedMemory=UnownedMemory,
+    alloc_pinned_memory=alloc_pinned_memory,
+    MemoryPool=MemoryPool,
+    runtime=runtime,
+    driver=driver,
+    is_available=lambda: True,
 )
 
 

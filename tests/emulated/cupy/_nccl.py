@@ -75,23 +75,41 @@ def _bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-_DTYPES = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_UINT32: np.uint32,
-           NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32,
-           NCCL_FLOAT64: np.float64, NCCL_BFLOAT16: None}
+_DTYPES = {
+    NCCL_INT8: np.int8,
+    NCCL_UINT8: np.uint8,
+    NCCL_INT32: np.int32,
+    NCCL_UINT32: np.uint32,
+    NCCL_INT64: np.int64,
+    NCCL_UINT64: np.uint64,
+    NCCL_FLOAT16: np.float16,
+    NCCL_FLOAT32: np.float32,
+    NCCL_FLOAT64: np.float64,
+    NCCL_BFLOAT16: None,
+}
 _UFUNCS = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum, NCCL_AVG: np.add}
 
 # ncclResult_t, CuPy's names for them (ERROR2) and ncclGetErrorString's text
 ncclSuccess, ncclUnhandledCudaError, ncclSystemError, ncclInternalError = 0, 1, 2, 3
 ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError = 4, 5, 6
-_NAMES = {0: "NCCL_ERROR_SUCCESS", 1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR",
-          3: "NCCL_ERROR_INTERNAL_ERROR", 4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE",
-          6: "NCCL_ERROR_REMOTE_ERROR"}
-_STRINGS = {0: "no error", 1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
-            2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
-            3: "internal error - please report this issue to the NCCL developers",
-            4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
-            5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
-            6: "remote process exited or there was a network error"}
+_NAMES = {
+    0: "NCCL_ERROR_SUCCESS",
+    1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR",
+    2: "NCCL_ERROR_SYSTEM_ERROR",
+    3: "NCCL_ERROR_INTERNAL_ERROR",
+    4: "NCCL_ERROR_INVALID_ARGUMENT",
+    5: "NCCL_ERROR_INVALID_USAGE",
+    6: "NCCL_ERROR_REMOTE_ERROR",
+}
+_STRINGS = {
+    0: "no error",
+    1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+    2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
+    3: "internal error - please report this issue to the NCCL developers",
+    4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+    5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+    6: "remote process exited or there was a network error",
+}
 
 
 class NcclError(RuntimeError):
@@ -234,8 +252,12 @@ class NcclCommunicator:
 
         import cupy
 
-        info = {"world_rank": MPI.COMM_WORLD.Get_rank(), "host": socket.gethostname(), "pid": os.getpid(),
-                "bus_id": cupy.cuda.Device().pci_bus_id}
+        info = {
+            "world_rank": MPI.COMM_WORLD.Get_rank(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "bus_id": cupy.cuda.Device().pci_bus_id,
+        }
         path = self._file(token, rank)
         if os.path.exists(path):
             _fail(ncclInvalidUsage, f"ncclCommInitRank: rank {rank} joined this communicator twice")
@@ -265,10 +287,15 @@ class NcclCommunicator:
         NCCL_MULTI_RANK_GPU_ENABLE=1 from 2.30 on."""
         version = _version_tuple()
         if version[:2] < MULTI_RANK_GPU_MIN:
-            _fail(ncclInvalidUsage, f"Duplicate GPU detected : rank {rank} and rank {other} both on CUDA device {bus_id}")
+            _fail(
+                ncclInvalidUsage, f"Duplicate GPU detected : rank {rank} and rank {other} both on CUDA device {bus_id}"
+            )
         if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0").strip() != "1":
-            _fail(ncclInvalidUsage, f"Multiple ranks use the same GPU ({bus_id}): rank {rank} and rank {other}; set "
-                  "NCCL_MULTI_RANK_GPU_ENABLE=1 to allow it")
+            _fail(
+                ncclInvalidUsage,
+                f"Multiple ranks use the same GPU ({bus_id}): rank {rank} and rank {other}; set "
+                "NCCL_MULTI_RANK_GPU_ENABLE=1 to allow it",
+            )
 
     # -------------------------------------------------------------------------------- management
     @property
@@ -331,6 +358,7 @@ class NcclCommunicator:
 
         def run() -> None:
             dst[...] = _corrupted(self._reduce(self._gather(src), ufunc, op, dt))
+
         self._queue(stream, run)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
@@ -343,6 +371,7 @@ class NcclCommunicator:
             out = self._reduce(self._gather(src), ufunc, op, dt)
             if dst is not None:
                 dst[...] = _corrupted(out)
+
         self._queue(stream, run)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
@@ -355,6 +384,7 @@ class NcclCommunicator:
             data = np.array(src) if src is not None else np.empty(count, dt)
             self._mpi.Bcast(data.view(np.uint8), root)
             dst[...] = _corrupted(data)
+
         self._queue(stream, run)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
@@ -369,6 +399,7 @@ class NcclCommunicator:
         def run() -> None:
             out = self._reduce(self._gather(src), ufunc, op, dt)
             dst[...] = _corrupted(out[lo : lo + recvcount])
+
         self._queue(stream, run)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
@@ -377,6 +408,7 @@ class NcclCommunicator:
 
         def run() -> None:
             dst[...] = _corrupted(self._gather(src).reshape(-1))
+
         self._queue(stream, run)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -426,8 +458,10 @@ class NcclCommunicator:
         except RuntimeError as e:
             _fail(ncclInvalidArgument, f"{e} (NCCL needs device memory)")
         if a.device != self._device:
-            _fail(ncclInvalidArgument, f"buffer {int(ptr):#x} allocated on device {a.device} mismatchs with NCCL "
-                  f"device {self._device}")
+            _fail(
+                ncclInvalidArgument,
+                f"buffer {int(ptr):#x} allocated on device {a.device} mismatchs with NCCL device {self._device}",
+            )
         raw = (ctypes.c_uint8 * nbytes).from_address(int(ptr))
         return np.frombuffer(raw, np.uint8).view(dt)
 
@@ -442,6 +476,7 @@ class NcclCommunicator:
             if self._mpi is None:
                 _fail(ncclInvalidUsage, "the communicator was aborted or destroyed with this call still queued")
             fn()
+
         if _group_depth:
             _group_ops.append((target, op))
         else:
