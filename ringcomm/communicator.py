@@ -279,7 +279,7 @@ class Communicator:
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
     def transport_name(self, array: Any) -> str:
-        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", "staged"),
+        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", "ipc-stream", "staged"),
         or "mixed" when the ring's edges use different ones (as this rank knows them: an edge whose
         IPC set-up failed elsewhere may have turned to staging). The first call for GPU arrays is
         collective (the ranks exchange what their GPUs can reach), as a first collective is."""

@@ -31,7 +31,8 @@ class TimeoutError(RingcommError, builtins.TimeoutError):  # noqa: A001 - the na
 
 
 class MismatchError(RingcommError):
-    """Ranks called different collectives or gave different arguments (``check=True``)."""
+    """Ranks called different collectives or gave different arguments: seen in a message's identity
+    or size, in the window's call headers, or (``check=True``) in the agreement before any data moves."""
 
 
 class AbortError(RingcommError):
