@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mpi_batches
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -198,6 +199,7 @@ def pytest_runtest_makereport(item, call):
     call (a reference gather, a barrier) for ever, and its own report, printed at the end of its
     session, is never seen: print it now, then abort every rank, so the test fails with the reason."""
     report = (yield).get_result()
+    mpi_batches.report(item, report)
     world = MPI.COMM_WORLD
     if report.failed and world.size > 1 and item.get_closest_marker("parallel") is not None:
         sys.stderr.write(
@@ -206,6 +208,11 @@ def pytest_runtest_makereport(item, call):
         )
         sys.stderr.flush()
         world.Abort(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_setup(item):
+    mpi_batches.runtest_setup(item)
 
 
 # ------------------------------------------------------------------------------- the emulated GPU

@@ -103,6 +103,7 @@ def test_missing_peer_times_out_with_names():
 
 
 @pytest.mark.parallel(nprocs=[2])
+@pytest.mark.alone  # rank 0's abandoned duplication of COMM_WORLD would match the next one rank 1 makes
 def test_barrier_is_checked_and_a_missing_peer_at_creation_times_out():
     comm = make_comm(check=True)
     if comm.rank == 0:

@@ -83,13 +83,14 @@ def test_every_collective_runs_a_plan_and_the_cache_is_bounded(monkeypatch):
 
 @pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("shared", [False, True])
-def test_broadcasts_and_all_gathers_take_a_plans_lane_where_its_arrays_lie(shared):
+def test_broadcasts_and_all_gathers_take_a_plans_lane_where_its_arrays_lie(shared, monkeypatch):
     """Once a broadcast or an all-gather ran a Plan (bound to its buffers' addresses), the next such
     call whose arrays lie at those addresses takes its lane (collectives._lane_address; no _launch);
     one elsewhere takes the full path, which finds or makes the plan there, and the lane follows it;
     an all-gather in place takes it too, a shard that is not this rank's place in out is the full
     path's ValueError. Every result is MPI's data, every root."""
     mpi = MPI.COMM_WORLD
+    monkeypatch.setattr(communicator, "SHARED_BYTES", 256 << 10)  # a small inbox: buffers beyond it stay small
     comm = make_comm(small_bytes=1024, shared_memory=shared)
     n, r = comm.size, comm.rank
     launched = []

@@ -73,11 +73,14 @@ def test_shared_all_reduces_are_bitwise_the_ring_and_right():
 
 
 @pytest.mark.parallel(nprocs=[2, 3, 4, 5])
-def test_all_reduces_beyond_the_inbox_run_in_pieces_bitwise_the_ring():
+def test_all_reduces_beyond_the_inbox_run_in_pieces_bitwise_the_ring(monkeypatch):
     """All-reduces larger than the inbox (one element more; two and a half inboxes, not dividing N)
     run in the window in pieces: the ring's bits (every op for float32; sums, and averages or
     maxima, for the other types), in and out of place, the same on every rank, and (float32) within
-    float64's reference."""
+    float64's reference. (An inbox of 1 MiB and runs of 64 KiB: the defaults' layout at a quarter
+    of their size, so that the buffers, 10 MiB at most, are too.)"""
+    monkeypatch.setattr(communicator, "SHARED_BYTES", 1 << 20)
+    monkeypatch.setattr(communicator, "SHARED_PIECE_BYTES", 64 << 10)
     mpi = MPI.COMM_WORLD
     shared, ring = make_comm(), make_comm(small_bytes=0, shared_memory=False)
     ring.single_node = False  # the ring itself (no direct exchange), the reference bits

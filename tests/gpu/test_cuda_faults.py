@@ -74,6 +74,7 @@ def test_failing_driver_query_is_logged_once(monkeypatch, caplog):
 
 
 @pytest.mark.parallel(nprocs=[2])
+@pytest.mark.alone  # its stalled stream never completes: later streams of its work queue would wait behind it
 @pytest.mark.parametrize("transport", ["mpi", "staged"])
 def test_hung_stream_times_out_instead_of_hanging(monkeypatch, transport):
     """Rank 0's stream never completes (a hung kernel). The host waits on GPU paths (the CUDA-aware
@@ -127,6 +128,7 @@ def test_bench_synchronisation_has_the_deadline():
 
 
 @pytest.mark.parallel(nprocs=[2])
+@pytest.mark.alone  # rank 1's stalled stream never completes (as test_hung_stream's)
 def test_ipc_stream_watchdog_reports_a_stuck_peer():
     """Rank 1's stream never runs (a hung kernel queued before the call): rank 0's all_reduce
     returns at once, and its watchdog notices within timeout + 1 s that the step does not advance,

@@ -103,12 +103,21 @@ def test_reduce_every_dtype_op_and_alignment():
                 assert outside_untouched(raw, av)
 
 
+def _wave_bytes(dev: CudaDevice, source: str, name: str) -> int:
+    """What one full wave of kernel ``name`` moves per grid-stride iteration: SMs x blocks x 512 x 64 bytes."""
+    from ringcomm.devices import cuda as rcuda
+
+    return rcuda.max_blocks(rcuda.kernel(source, name), name, dev.device_id) * rcuda.BLOCK * rcuda.UNROLL * 16
+
+
 def test_reduce_large_buffers_take_several_grid_strides():
-    """Several grid-stride iterations (a full wave moves SMs x blocks x 512 x 64 bytes), unrolled and not."""
+    """Several grid-stride iterations (sized by the device's wave), unrolled and not."""
     rng = np.random.default_rng(3)
     dev = CudaDevice()
+    wave = _wave_bytes(dev, "reduce.cu", "ringcomm_reduce_sum_f32")
     for dtype in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8)):
-        for n in ((5 << 20) + 3, (33 << 20) + 1):
+        # two waves, 5 vectors for the loop that is not unrolled and a tail; seven waves and a tail
+        for n in ((2 * wave + 5 * 16) // dtype.itemsize + 3, 7 * wave // dtype.itemsize + 1):
             a, b = random(rng, dtype, n, ReduceOp.SUM), random(rng, dtype, n, ReduceOp.SUM)
             for offs in ((0, 0, 0), (1, 1, 1)):
                 raw, dst = guarded(np.zeros(n, dtype), offs[0])
@@ -120,7 +129,7 @@ def test_reduce_large_buffers_take_several_grid_strides():
                     err_msg=f"{dtype} n={n} offsets={offs}",
                 )
                 assert outside_untouched(raw, dst)
-    src = rng.integers(0, 256, (40 << 20) + 7, dtype=np.uint8)
+    src = rng.integers(0, 256, 5 * _wave_bytes(dev, "copy.cu", "ringcomm_copy") + 16 * 5 + 7, dtype=np.uint8)
     raw, d = guarded(np.zeros(src.size, np.uint8), 3)
     dev.copy(d, guarded(src, 3)[1])
     dev.stream.synchronize()
