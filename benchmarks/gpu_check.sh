@@ -16,19 +16,36 @@
 #
 # 1. set-up: installs the carried wheels (.whl/, wheels/ or $WHEELS), prints what the results depend on (GPU,
 #    compute mode, MIG, MPS, /dev/shm, driver, CUDA, CuPy, NCCL and MPI versions, whether mpiexec is the MPI
-#    that mpi4py loaded), and stops at once, with one line, when something the steps need is missing;
-# 2. compiles the kernels once (NVRTC through CuPy; CuPy's disk cache keeps them for the ranks);
-# 3. the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
-# 4. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
-# 5. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
+#    that mpi4py loaded), and stops at once, with one line, when something the steps need is missing; unpacks
+#    the NCCL 2.30 carried in .nccl/ (below) and reads its ncclGetVersion;
+# 2. NCCL 2.30's smoke test (.nccl/gpu_smoke_test.py: ctypes only, 1 rank, then 2 ranks on the one GPU), where
+#    it was carried; its output in $OUT/nccl_smoke.txt;
+# 3. compiles the kernels once (NVRTC through CuPy; CuPy's disk cache keeps them for the ranks);
+# 4. the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
+# 5. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
+# 6. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
 #    and where a small GPU all-reduce's host time goes, per transport (benchmarks/gpu_host_cost.py);
-# 6. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
+# 7. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
 #    then all_reduce busbw of ipc, ipc-stream (RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks on the one GPU,
-#    64 KiB to 1 GiB (bench_<transport>_n<N>.json);
-# 7. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
+#    64 KiB to 1 GiB (bench_<transport>_n<N>.json). NCCL is the carried 2.30 when its smoke test passed;
+# 8. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
 # Each step has a limit (PLAN below); the limits and the set-up's add up to at most the budget, so no step is
 # cut short or skipped for time; a failed step does not stop the others. The summary table comes last; the exit
 # status is 0 only when every step ran and passed, 2 when the set-up found something missing.
+#
+# NCCL 2.30 for the NCCL rows (issue 33, item 11). The image's NCCL 2.28.9 refuses ranks that share one GPU, so
+# the bench measures NCCL only with the NCCL 2.30.7 of /work/shared/nccl (sm_90 code only: H100, H200; see its
+# README.md). The session copies it into the git-ignored .nccl/ of its checkout, and names that folder in the
+# device call's carry list (29 MiB of the 64 that travel; the wheels are 15 more):
+#
+#   mkdir -p .nccl && cp /work/shared/nccl/libnccl-2.30.7-sm90.so.xz /work/shared/nccl/gpu_smoke_test.py .nccl/
+#   carry: [".nccl", "wheels"]
+#
+# The set-up unpacks it (xz -dc) into a temporary folder as libnccl.so.2 (195 MiB) and reads its ncclGetVersion;
+# step 2 runs the smoke test on it; when that passes, the bench steps (7) run with RINGCOMM_NCCL_LIB naming it,
+# NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_DEBUG=WARN, under the MPS daemon of the set-up: the bench loads it before
+# CuPy's NCCL bindings and stops if cupy.cuda.nccl reports another version. Without .nccl/ (GPU_CHECK_NCCL_DIR:
+# another folder), or when the smoke test fails, the bench uses CuPy's NCCL, and the set-up or step 2 says so.
 #
 # GPU_CHECK_NO_INSTALL=1: install nothing (use what is importable). GPU_CHECK_SETUP_ONLY=1: stop after the
 # set-up (a dry run; on a CPU with tests/emulated on PYTHONPATH it checks this script). The source tree is used
@@ -50,18 +67,22 @@ BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 # Every step's limit in seconds (a command gets 5 s less): the times of the first runs on an H200 (2026-12-04:
 # set-up 6, compile 8 on a fresh machine, tests N=1 23, kernel bench 8, all-reduce 7, host cost 4, bench 11) with
 # room; the multi-rank tests start an mpiexec per test (3.5-10 s each: N=2 15 tests, N=3,4 10). The set-up's own
-# commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, MPS 10 + 20, probe 15).
+# commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, MPS 10 + 20, probe 15, NCCL unpack 30 + 10).
+# NCCL 2.30 (not yet run on a GPU, so estimates): its smoke test (about 3 s of Python on this CPU, plus CUDA's
+# and two NCCL communicators' start) and the NCCL rows the two bench steps now measure (an NCCL start per run, and
+# each row's check of up to 1 GiB) took their seconds from the steps with the most room.
 PLAN=(
-    "setup 20"
-    "compile 20"
-    "tests N=1 40"
+    "setup 15"
+    "nccl smoke 20"
+    "compile 15"
+    "tests N=1 35"
     "tests N=2 90"
-    "kernel bench 15"
-    "allreduce ipc vs staged 15"
-    "gpu host cost 15"
-    "ringcomm-bench 25"
-    "ipc-stream bench 90"
-    "tests N=3,4 80"
+    "kernel bench 13"
+    "allreduce ipc vs staged 13"
+    "gpu host cost 12"
+    "ringcomm-bench 30"
+    "ipc-stream bench 95"
+    "tests N=3,4 72"
     "zero GPU tests 10"
 )
 declare -A LIMIT=()
@@ -73,6 +94,15 @@ done
 declare -a NAMES=() RCS=() SECS=()
 
 say() { echo "[gpu_check +$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+
+# at exit: stop the MPS daemon this script started, remove the unpacked NCCL
+MPS_OWN="" NCCL_TMP=""
+cleanup() {
+    [ -n "$MPS_OWN" ] && echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
+    [ -n "$NCCL_TMP" ] && rm -rf "$NCCL_TMP"
+    return 0
+}
+trap cleanup EXIT
 
 if [ "$TOTAL" -gt "$BUDGET" ]; then
     say "gpu_check: the steps' limits add up to ${TOTAL}s, more than the budget of ${BUDGET}s (GPU_CHECK_BUDGET); nothing run"
@@ -128,8 +158,7 @@ elif [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if timeout 10 nvidia-cuda-mps-control -d >>"$LOG" 2>&1 &&
         timeout 20 $PY -c "import cupy; assert int(cupy.arange(4).sum()) == 6" >>"$LOG" 2>&1; then
-        MPS="MPS"
-        trap 'echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+        MPS="MPS" MPS_OWN=1
         say "MPS: started a control daemon (pipe in $CUDA_MPS_PIPE_DIRECTORY): ranks on one GPU share it" \
             "(GPU_CHECK_MPS=0: they time-slice it)"
     else
@@ -258,19 +287,76 @@ if [ -n "$MISSING" ]; then
     say "gpu_check: MISSING $MISSING: carry the wheels (the pip download command at the top of benchmarks/gpu_check.sh) in wheels/ and rerun"
     exit 2
 fi
+
+# NCCL 2.30 carried in .nccl/ (the header): unpacked into a temporary folder, its ncclGetVersion read; the bench's
+# NCCL rows use it once step 2's smoke test passed (NCCL_USE says what they use)
+NCCL_DIR=${GPU_CHECK_NCCL_DIR:-$ROOT/.nccl}
+NCCL_XZ=$NCCL_DIR/libnccl-2.30.7-sm90.so.xz
+NCCL_SMOKE=$NCCL_DIR/gpu_smoke_test.py
+NCCL_SHA256=970b6e2064d966bfe2ca7130c8ec6ca0d3163a590e117b2839b46ec00f4d519b  # unpacked (/work/shared/nccl/README.md)
+NCCL_LIB="" NCCL_CODE="" NCCL_USE="CuPy's NCCL"
+if [ -f "$NCCL_XZ" ] && [ -f "$NCCL_SMOKE" ]; then
+    NCCL_TMP=$(mktemp -d /tmp/ringcomm_nccl.XXXXXX)
+    if command -v xz >/dev/null 2>&1; then
+        unpack=(xz -dc "$NCCL_XZ")
+    else  # Python's lzma reads .xz too
+        unpack=($PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)"
+            "$NCCL_XZ")
+    fi
+    if timeout 30 "${unpack[@]}" >"$NCCL_TMP/libnccl.so.2" 2>>"$LOG" &&
+        NCCL_CODE=$(timeout 10 $PY -c "
+import ctypes, sys
+v = ctypes.c_int(0)
+rc = ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v))
+sys.exit(f'ncclGetVersion returned {rc}') if rc else print(v.value)" "$NCCL_TMP/libnccl.so.2" 2>>"$LOG"); then
+        NCCL_LIB=$NCCL_TMP/libnccl.so.2
+        SHA=$(sha256sum "$NCCL_LIB" | cut -d ' ' -f 1)
+        [ "$SHA" = "$NCCL_SHA256" ] && SHA="sha256 as in /work/shared/nccl/README.md" ||
+            SHA="WARNING: sha256 $SHA, not the README's $NCCL_SHA256"
+        say "NCCL carried: $NCCL_XZ unpacked to $NCCL_LIB ($(($(stat -c %s "$NCCL_LIB") >> 20)) MiB, $SHA)," \
+            "ncclGetVersion $NCCL_CODE; step 2 smoke-tests it, then the bench's NCCL rows use it"
+    else
+        say "NCCL carried: $NCCL_XZ could not be unpacked or loaded (see the log): the bench uses CuPy's NCCL"
+    fi
+elif [ -e "$NCCL_DIR" ]; then
+    say "NCCL carried: $NCCL_DIR lacks libnccl-2.30.7-sm90.so.xz or gpu_smoke_test.py (copy both, see the header):" \
+        "the bench uses CuPy's NCCL"
+else
+    say "NCCL carried: none ($NCCL_DIR absent; to measure NCCL 2.30, copy it from /work/shared/nccl and carry .nccl," \
+        "see the header): the bench uses CuPy's NCCL"
+fi
 if [ -n "${GPU_CHECK_SETUP_ONLY:-}" ]; then
     say "set-up done in $(($(date +%s) - T0))s (limit ${LIMIT[setup]}s); GPU_CHECK_SETUP_ONLY=1: no steps run"
     exit 0
 fi
 say "set-up done in $(($(date +%s) - T0))s (limit ${LIMIT[setup]}s)"
 
-# ----------------------------------------------------------------------------------- 2. compile once
+# --------------------------------------------------------------------------- 2. NCCL 2.30's smoke test
+# the carried NCCL alone first (ctypes: all-reduce at 1 rank; all-reduce, all-gather, reduce-scatter, broadcast at
+# 2 ranks on the one GPU); the bench's NCCL rows (7) use it only when this passed
+NCCL_ENV=""  # what the bench steps put before mpiexec
+if [ -n "$NCCL_LIB" ]; then
+    step "nccl smoke" bash -o pipefail -c "NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN $PY '$NCCL_SMOKE' '$NCCL_LIB' \
+        2>&1 | tee '$OUTDIR/nccl_smoke.txt'"
+    if [ "${RCS[-1]}" = 0 ]; then
+        NCCL_ENV="RINGCOMM_NCCL_LIB=$NCCL_LIB NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN"
+        NCCL_USE="NCCL $((NCCL_CODE / 10000)).$((NCCL_CODE / 100 % 100)).$((NCCL_CODE % 100)) carried in $NCCL_DIR"
+        NCCL_USE+=" (RINGCOMM_NCCL_LIB=$NCCL_LIB; its smoke test passed)"
+    else
+        NCCL_USE="CuPy's NCCL (the carried NCCL failed its smoke test: $OUTDIR/nccl_smoke.txt)"
+    fi
+    say "   the bench's NCCL rows use $NCCL_USE"
+else
+    say "== nccl smoke: not run (no NCCL carried): the bench's NCCL rows use CuPy's NCCL"
+fi
+
+# ----------------------------------------------------------------------------------- 3. compile once
 step compile $PY -c "
 import time; t = time.perf_counter()
 from ringcomm.devices import cuda; cuda.warm_up()
 print(f'kernels compiled (or loaded from the cache) in {time.perf_counter() - t:.1f} s')"
 
-# ------------------------------------------------------------------------------------- 3. GPU tests
+# ------------------------------------------------------------------------------------- 4. GPU tests
 TESTLOG=$OUTDIR/gpu_tests.log
 : >"$TESTLOG"
 run_tests() {  # NAME MARKEXPR [FILES]: mpi-pytest marks a test parallel[n] for each of its nprocs
@@ -282,18 +368,18 @@ run_tests() {  # NAME MARKEXPR [FILES]: mpi-pytest marks a test parallel[n] for 
 run_tests "tests N=1" "not parallel or parallel[1]"
 run_tests "tests N=2" "parallel[2]"
 
-# ------------------------------------------------------------------------------- 4. kernel benchmark
+# ------------------------------------------------------------------------------- 5. kernel benchmark
 step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.json"
 
-# ----------------------------------------------------------------- 5. all-reduce 1 GiB, IPC vs staged
+# ----------------------------------------------------------------- 6. all-reduce 1 GiB, IPC vs staged
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
 step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --iters 50 --json '$OUTDIR/gpu_host_cost.json' &&
     mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 
-# ------------------------------------------------------------ 6. ringcomm against NCCL and MPI, 2 ranks
+# ------------------------------------------------------------ 7. ringcomm against NCCL and MPI, 2 ranks
 # the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured
-step "ringcomm-bench" bash -o pipefail -c "RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
+step "ringcomm-bench" bash -o pipefail -c "$NCCL_ENV RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
     --impl ringcomm,nccl,mpi -b 8 -e 64M --time-budget 1 --timeout 40 --json '$OUTDIR/bench.json' | tee '$OUTDIR/bench.txt'"
 
 # ipc and ipc-stream (the step handshake on the GPU's streams) beside NCCL, 2 and 4 ranks, 64 KiB..1 GiB
@@ -301,13 +387,13 @@ step "ipc-stream bench" bash -o pipefail -c "
 for n in 2 4; do
   for t in ipc ipc-stream; do
     impl=ringcomm; [ \$t = ipc ] && impl=ringcomm,nccl
-    RINGCOMM_TRANSPORT=\$t RINGCOMM_TIMEOUT=20 mpiexec -n \$n $PY -m ringcomm.bench --device cuda --impl \$impl \\
+    $NCCL_ENV RINGCOMM_TRANSPORT=\$t RINGCOMM_TIMEOUT=20 mpiexec -n \$n $PY -m ringcomm.bench --device cuda --impl \$impl \\
       -b 64K -e 1G -f 4 -n 10 -w 2 --time-budget 0.4 --timeout 25 --json '$OUTDIR'/bench_\${t}_n\$n.json \\
       > '$OUTDIR'/bench_\${t}_n\$n.txt || exit 1
   done
 done"
 
-# ------------------------------------------------------------------- 7. N = 3, 4, and ZeRO on the GPU
+# ------------------------------------------------------------------- 8. N = 3, 4, and ZeRO on the GPU
 run_tests "tests N=3,4" "parallel[3] or parallel[4]"
 run_tests "zero GPU tests" "" tests/test_zero_gpu.py
 
@@ -318,6 +404,12 @@ run_tests "zero GPU tests" "" tests/test_zero_gpu.py
     printf '%-26s %6s %7s %6s\n' step rc seconds limit
     for i in "${!NAMES[@]}"; do printf '%-26s %6s %7s %6s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}" "${LIMIT[${NAMES[$i]}]}"; done
     echo "total $(($(date +%s) - T0))s of the ${BUDGET}s budget; ranks on the one GPU: $MPS"
+    echo "the bench's NCCL rows: $NCCL_USE"
+    if [ -f "$OUTDIR/nccl_smoke.txt" ]; then
+        echo "NCCL smoke test ($NCCL_SMOKE $NCCL_LIB):"
+        grep -E "NCCL version|compute capability|FAIL|PASSED|failed|WARN" "$OUTDIR/nccl_smoke.txt" | head -20 |
+            sed 's/^/  /'
+    fi
     echo
     echo "pytest result lines (outer runs and each rank of the multi-rank ones):"
     grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$TESTLOG" | sed 's/^=* *//; s/ *=*$//' | sort | uniq -c | head -20
@@ -357,6 +449,8 @@ if os.path.exists(bj):
     env = doc["environment"]
     print(f"ringcomm-bench all_reduce, {env['ranks']} ranks, transport {env['transport']}; busbw GB/s out-of-place "
           "(in-place), #wrong summed:")
+    if (env.get("nccl_library") or {}).get("line"):
+        print(f"  NCCL library: {env['nccl_library']['line']}")
     for note in env.get("notes", []):
         print(f"  {note}")
     for text in env.get("footnotes", {}).values():

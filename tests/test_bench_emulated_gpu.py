@@ -9,20 +9,32 @@ one emulated GPU, so NCCL's rows are marked as time-sliced; an NCCL older than 2
 shared GPU, and the header says so with its version. The single-process tests below check the id's
 two forms (CuPy 14's bytes, older CuPy's tuple of chars) against narrow fakes of both APIs.
 Skipped without a C++ compiler or mpiexec, and where a real CuPy is installed.
+
+The NCCL library a user names (issue 33, item 11: ``--nccl-lib PATH`` or RINGCOMM_NCCL_LIB) is a
+stand-in built here: a shared library whose SONAME is libnccl.so.2 and whose only export,
+``ncclGetVersion``, returns a chosen version. The bench loads it, reads that version, and compares
+it with what the emulated ``cupy.cuda.nccl`` reports (RINGCOMM_EMULATED_NCCL_VERSION): equal, as
+when CuPy's bindings bound to the named library, the header names it; different, as when CuPy kept
+its own, the run stops with an error before any NCCL call.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
-from conftest import TEST_TIMEOUT, run_emulated, why_not_emulated
+from conftest import CXX, TEST_TIMEOUT, run_emulated, why_not_emulated
 from mpi4py import MPI
 
 import ringcomm
 from ringcomm import schedule
+from ringcomm.bench import env as bench_env
 from ringcomm.bench import impls
+from ringcomm.bench.__main__ import Plan, build_parser
+from ringcomm.bench.cli import UsageError
 from ringcomm.bench.report import parse_tables
 
 SWEEP = ["-b", "512", "-e", "4K", "-f", "8", "-n", "2", "-w", "1"]
@@ -39,9 +51,49 @@ def gpu_env(emulated_gpu_env):
         "RINGCOMM_EMULATED_NCCL_VERSION",
         "RINGCOMM_EMULATED_NCCL_CORRUPT",
         "CUDA_MPS_PIPE_DIRECTORY",
+        "RINGCOMM_NCCL_LIB",
     ):
         env.pop(name, None)
     return env
+
+
+#: a stand-in NCCL library: ncclGetVersion (NCCL's signature) returns NCCL_CODE, or STATUS when it is not 0
+_FAKE_NCCL = r"""
+extern "C" int ncclGetVersion(int *version) {
+    if (!version) return 4; /* ncclInvalidArgument */
+    if (STATUS) return STATUS;
+    *version = NCCL_CODE;
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_nccl(tmp_path_factory) -> dict[str, str]:
+    """Stand-in libraries, by name: "2.30.7" (ncclGetVersion gives 23007, SONAME libnccl.so.2), "failing" (it
+    returns ncclInvalidUsage), "not nccl" (no ncclGetVersion), "text" (not a shared library)."""
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    root = tmp_path_factory.mktemp("nccl")
+    source = root / "fake_nccl.cpp"
+    source.write_text(_FAKE_NCCL)
+    other = root / "other.cpp"
+    other.write_text('extern "C" int ncclSomethingElse(void) { return 0; }\n')
+    libs = {}
+    for name, folder, src, flags in (
+        ("2.30.7", "v23007", source, ["-DNCCL_CODE=23007", "-DSTATUS=0"]),
+        ("failing", "failing", source, ["-DNCCL_CODE=23007", "-DSTATUS=5"]),
+        ("not nccl", "other", other, []),
+    ):
+        (root / folder).mkdir()
+        lib = root / folder / "libnccl.so.2"
+        cmd = [CXX, "-shared", "-fPIC", *flags, "-Wl,-soname,libnccl.so.2", str(src), "-o", str(lib)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        libs[name] = str(lib)
+    libs["text"] = str(root / "libnccl-text.so.2")
+    (root / "libnccl-text.so.2").write_text("not an ELF file\n")
+    return libs
 
 
 def _bench(env: dict, args: list[str], **extra: str) -> tuple[int, str, str]:
@@ -80,6 +132,7 @@ def test_nccl_rows_run_and_are_checked(gpu_env, tmp_path):
     head = _header(out)
     assert not [h for h in head if "NCCL could not run" in h], head
     assert any(h.startswith("# Versions:") and "NCCL 2.30.7" in h for h in head), head
+    assert "# NCCL library: CuPy's own, 2.30.7 (--nccl-lib PATH or RINGCOMM_NCCL_LIB=PATH loads another)" in head
     assert (
         "# nccl*: 2 ranks time-slice one GPU without MPS; NCCL's kernels spin, so its times are not those of "
         "separate GPUs"
@@ -97,6 +150,7 @@ def test_nccl_rows_run_and_are_checked(gpu_env, tmp_path):
     doc = json.loads(path.read_text())
     assert set(doc["environment"]["footnotes"]) == {"nccl*"}
     assert doc["environment"]["versions"]["NCCL"] == "2.30.7"
+    assert doc["environment"]["nccl_library"]["path"] is None and doc["settings"]["nccl_lib"] is None
     marks = {(r["impl"], r["mark"]) for r in doc["rows"]}
     assert marks == {("ringcomm", ""), ("nccl", "*"), ("mpi", "")}
 
@@ -171,6 +225,168 @@ def test_nccl_refusing_a_shared_gpu_is_a_note_with_its_version(gpu_env, extra, r
     assert any(h.startswith("# Versions:") and f"NCCL {version}" in h for h in _header(out))
     (table,) = parse_tables(out)
     assert {r["impl"] for r in table.rows} == {"ringcomm", "mpi"} and table.wrong == 0
+
+
+# ------------------------------------------------------------------------------ the NCCL named
+
+
+@pytest.mark.parametrize("how", ["RINGCOMM_NCCL_LIB", "--nccl-lib"])
+@emulated_gpu
+def test_named_nccl_library_is_loaded_checked_and_shown(gpu_env, fake_nccl, tmp_path, how):
+    """The library named is loaded, its ncclGetVersion read and compared with cupy.cuda.nccl's, and the
+    header and the JSON name it. --nccl-lib wins over RINGCOMM_NCCL_LIB (which here names no file)."""
+    lib, path = fake_nccl["2.30.7"], tmp_path / "bench.json"
+    args = ["-c", "all_reduce", "-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-w", "0", "--json", str(path)]
+    if how == "--nccl-lib":
+        rc, out, err = _bench(gpu_env, ["--nccl-lib", lib, *args], RINGCOMM_NCCL_LIB=str(tmp_path / "absent.so"))
+    else:
+        rc, out, err = _bench(gpu_env, args, RINGCOMM_NCCL_LIB=lib)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    head = _header(out)
+    line = f"# NCCL library: {lib} ({how}), ncclGetVersion 2.30.7; cupy.cuda.nccl uses it (reports 2.30.7)"
+    assert line in head, head
+    assert head.index(line) == next(i for i, h in enumerate(head) if h.startswith("# MPI library:")) + 1
+    (table,) = parse_tables(out)
+    assert table.status == "OK" and table.wrong == 0
+    nccl = [r for r in table.rows if r["impl"] == "nccl*"]
+    assert len(nccl) == 2 and all(len(_measured(r)) == 2 for r in nccl), table.rows
+    doc = json.loads(path.read_text())
+    assert doc["environment"]["nccl_library"] == {
+        "path": lib,
+        "named_by": how,
+        "version": "2.30.7",
+        "line": line[len("# NCCL library: ") :],
+    }
+    assert doc["settings"]["nccl_lib"] == lib
+
+
+@emulated_gpu
+def test_nccl_other_than_the_one_named_is_an_error_before_any_nccl_call(gpu_env, fake_nccl):
+    """CuPy's nccl reports 2.28.9 while the library named is 2.30.7 (as when CuPy's bindings were bound to
+    its own NCCL): every rank stops with exit status 2 and one clear error, before the header and before
+    any NCCL communicator exists."""
+    lib = fake_nccl["2.30.7"]
+    rc, out, err = _bench(
+        gpu_env,
+        ["-c", "all_reduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"],
+        RINGCOMM_NCCL_LIB=lib,
+        RINGCOMM_EMULATED_NCCL_VERSION="2.28.9",
+        NCCL_DEBUG="INFO",
+    )
+    assert rc == 2, out[-3000:] + err[-3000:]
+    assert out.strip() == "", out
+    errors = [line for line in err.splitlines() if line.startswith("ringcomm-bench: error:")]
+    assert errors == [
+        f"ringcomm-bench: error: RINGCOMM_NCCL_LIB {lib} is NCCL 2.30.7 (its ncclGetVersion), but cupy.cuda.nccl "
+        "reports NCCL 2.28.9: CuPy's NCCL bindings use another library (they bind to the first library loaded "
+        "whose SONAME is libnccl.so.2: see this one's with readelf -d); no NCCL row runs on an NCCL other than "
+        "the one named (and 1 other rank)"
+    ], err
+    assert "emulated NCCL WARN" not in err and "Traceback" not in err, err
+
+
+@emulated_gpu
+def test_a_named_nccl_that_cannot_be_loaded_is_an_error_naming_it(gpu_env, fake_nccl, tmp_path):
+    missing = tmp_path / "nowhere" / "libnccl.so.2"
+    for extra, want in (
+        ({"RINGCOMM_NCCL_LIB": str(missing)}, f"RINGCOMM_NCCL_LIB {missing}: no such file (and 1 other rank)"),
+        ({"RINGCOMM_NCCL_LIB": fake_nccl["not nccl"]}, "(it exports no ncclGetVersion)"),
+    ):
+        rc, out, err = _bench(gpu_env, ["-c", "all_reduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"], **extra)
+        assert rc == 2 and out.strip() == "", out[-3000:] + err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("ringcomm-bench: error:")]
+        assert len(errors) == 1 and want in errors[0], err
+
+
+#: loads each library of argv[1] (JSON: [path, named by, "late" or ""]) as the bench does, in order; prints
+#: each outcome (JSON), and the libnccl files then mapped
+_LOAD = """
+import json, sys
+from ringcomm.bench import env
+
+out = []
+for path, named_by, late in json.loads(sys.argv[1]):
+    if late:  # as if CuPy's NCCL bindings had been imported first
+        sys.modules["cupy.cuda.nccl"] = object()
+    try:
+        lib = env.load_nccl_library(path, named_by)
+        out.append({"path": lib.path, "named_by": lib.named_by, "code": lib.code, "late": lib.late})
+    except env.NcclLibraryError as e:
+        out.append({"error": str(e)})
+print(json.dumps({"outcomes": out, "mapped": env.mapped_nccl_paths()}))
+"""
+
+
+def test_loading_a_named_nccl_library(fake_nccl, tmp_path):
+    """load_nccl_library, in a process of its own (what it loads stays loaded, RTLD_GLOBAL): the version the
+    library's own ncclGetVersion gives, the path made absolute, and an error naming the path for everything that
+    is not a working NCCL."""
+    good = fake_nccl["2.30.7"]
+    cases = [
+        ([good, "--nccl-lib", ""], {"path": good, "named_by": "--nccl-lib", "code": 23007, "late": False}),
+        ([os.path.relpath(good, tmp_path), "RINGCOMM_NCCL_LIB", ""], {"path": good, "named_by": "RINGCOMM_NCCL_LIB"}),
+        ([str(tmp_path / "absent.so"), "--nccl-lib", ""], f"--nccl-lib {tmp_path / 'absent.so'}: no such file"),
+        ([str(tmp_path), "--nccl-lib", ""], f"--nccl-lib {tmp_path}: not a file"),
+        ([fake_nccl["text"], "--nccl-lib", ""], f"--nccl-lib {fake_nccl['text']}: cannot be loaded ("),
+        (
+            [fake_nccl["not nccl"], "--nccl-lib", ""],
+            f"--nccl-lib {fake_nccl['not nccl']}: not an NCCL library (it exports no ncclGetVersion)",
+        ),
+        (
+            [fake_nccl["failing"], "--nccl-lib", ""],
+            f"--nccl-lib {fake_nccl['failing']}: ncclGetVersion failed (ncclResult_t 5, version 0)",
+        ),
+        ([good, "--nccl-lib", "late"], {"path": good, "code": 23007, "late": True}),  # after CuPy's bindings
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD, json.dumps([args for args, _ in cases])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    for (args, want), got in zip(cases, result["outcomes"], strict=True):
+        if isinstance(want, str):
+            assert got.get("error", "").startswith(want), (args, got)
+        else:
+            assert want.items() <= got.items(), (args, got)
+    assert good in result["mapped"]
+
+
+def test_a_library_other_than_cupys_nccl_is_a_mismatch():
+    lib = bench_env.NcclLibrary("/opt/nccl/libnccl.so.2", "--nccl-lib", 23007)
+    assert lib.version == "2.30.7" and lib.mismatch(_FakeNccl(True, version=23007)) == ""
+    assert lib.mismatch(_FakeNccl(True, version=22809)) == (
+        "--nccl-lib /opt/nccl/libnccl.so.2 is NCCL 2.30.7 (its ncclGetVersion), but cupy.cuda.nccl reports NCCL "
+        "2.28.9: CuPy's NCCL bindings use another library (they bind to the first library loaded whose SONAME is "
+        "libnccl.so.2: see this one's with readelf -d); no NCCL row runs on an NCCL other than the one named"
+    )
+    late = bench_env.NcclLibrary("/opt/nccl/libnccl.so.2", "RINGCOMM_NCCL_LIB", 23007, late=True)
+    assert "(they were imported before it was loaded)" in late.mismatch(_FakeNccl(True, version=22809))
+    broken = _FakeNccl(True)
+
+    def get_version() -> int:
+        raise RuntimeError("NCCL_ERROR_SYSTEM_ERROR")
+
+    broken.get_version = get_version
+    assert lib.mismatch(broken) == "cupy.cuda.nccl.get_version() failed (RuntimeError: NCCL_ERROR_SYSTEM_ERROR)"
+
+
+def test_nccl_lib_option_wins_over_the_environment(monkeypatch):
+    def named(*argv: str):
+        return Plan.from_args(build_parser().parse_args(list(argv))).nccl_lib
+
+    monkeypatch.delenv("RINGCOMM_NCCL_LIB", raising=False)
+    assert named() is None
+    monkeypatch.setenv("RINGCOMM_NCCL_LIB", "  ")
+    assert named() is None  # blank: CuPy's own
+    monkeypatch.setenv("RINGCOMM_NCCL_LIB", "/env/libnccl.so.2")
+    assert named() == ("/env/libnccl.so.2", "RINGCOMM_NCCL_LIB")
+    assert named("--nccl-lib", "/opt/libnccl.so.2") == ("/opt/libnccl.so.2", "--nccl-lib")
+    with pytest.raises(UsageError, match="--nccl-lib needs the path of an NCCL library"):
+        named("--nccl-lib", "")
 
 
 # ------------------------------------------------------------------- the id's two forms, one rank

@@ -3,30 +3,41 @@ set-up can be checked. The steps' limits add up to at most the budget (so no ste
 the budget leaves room to rerun within a 10-minute device call, a missing requirement stops the check at once
 with one clear line, and the set-up, run against the CuPy stand-in (tests/emulated), prints what the results
 depend on: compute mode, /dev/shm, driver, CUDA, CuPy, NCCL, and whether mpiexec is mpi4py's MPI.
+
+NCCL 2.30 carried in .nccl/ (issue 33, item 11): the set-up unpacks it and reads its ncclGetVersion (here a
+stand-in library built by the test, packed as the real one is), says so when it is absent, incomplete or broken,
+and removes what it unpacked at exit; the script smoke-tests it before the bench steps, which name it in
+RINGCOMM_NCCL_LIB only after the smoke test passed.
 """
 
 from __future__ import annotations
 
+import json
+import lzma
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import CXX
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 DEVICE_CALL_S = 600  # the most one device command may run
+NCCL_XZ = "libnccl-2.30.7-sm90.so.xz"  # as in /work/shared/nccl
+NCCL_SHA256 = "970b6e2064d966bfe2ca7130c8ec6ca0d3163a590e117b2839b46ec00f4d519b"  # its README: the unpacked library
 
 
 def _run(env_extra: dict, tmp_path: Path, timeout: float = 60) -> tuple[int, str]:
     """Run the script in its own process group (killed whole on a timeout); (rc, stdout + stderr)."""
     env = dict(os.environ)
-    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable, GPU_CHECK_NO_INSTALL="1", **env_extra)
-    for name in ("GPU_CHECK_BUDGET", "CUDA_MPS_PIPE_DIRECTORY", "WHEELS"):
+    env.update({"OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_CHECK_NO_INSTALL": "1", **env_extra})
+    for name in ("GPU_CHECK_BUDGET", "CUDA_MPS_PIPE_DIRECTORY", "WHEELS", "GPU_CHECK_NCCL_DIR", "RINGCOMM_NCCL_LIB"):
         if name not in env_extra:
             env.pop(name, None)
     proc = subprocess.Popen(
@@ -137,3 +148,172 @@ def test_something_missing_stops_the_check_with_one_line(tmp_path):
         "cuda-pathfinder",
     ):
         assert re.search(rf" {re.escape(wheel)}==\S+", header), wheel
+
+
+# ------------------------------------------------------------------------------------- NCCL 2.30 carried
+
+
+def _carried_nccl(folder: Path, xz: bytes | None, smoke: bool = True) -> Path:
+    """``folder`` laid out as a session's .nccl/: the .xz (``xz``'s bytes; None: absent) and the smoke test."""
+    folder.mkdir(parents=True)
+    if xz is not None:
+        (folder / NCCL_XZ).write_bytes(xz)
+    if smoke:
+        (folder / "gpu_smoke_test.py").write_text("raise SystemExit('not run by the set-up')\n")
+    return folder
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None or CXX is None, reason="no mpiexec or no C++ compiler")
+def test_setup_unpacks_the_carried_nccl_and_reads_its_version(tmp_path):
+    source = tmp_path / "nccl.cpp"
+    source.write_text('extern "C" int ncclGetVersion(int *v) { *v = 23007; return 0; }\n')
+    lib = tmp_path / "libnccl.so.2"
+    cmd = [CXX, "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", str(source), "-o", str(lib)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    folder = _carried_nccl(tmp_path / "carried", lzma.compress(lib.read_bytes(), format=lzma.FORMAT_XZ))
+    env = {"GPU_CHECK_SETUP_ONLY": "1", "GPU_CHECK_NCCL_DIR": str(folder), "PYTHONPATH": _emulated_path(tmp_path)}
+    rc, out = _run(env, tmp_path)
+    assert rc == 0, out
+    got = re.search(
+        rf"NCCL carried: {re.escape(str(folder / NCCL_XZ))} unpacked to (/tmp/ringcomm_nccl\.\w+)/libnccl\.so\.2 "
+        rf"\(0 MiB, WARNING: sha256 [0-9a-f]{{64}}, not the README's {NCCL_SHA256}\), ncclGetVersion 23007; step 2 "
+        r"smoke-tests it, then the bench's NCCL rows use it$",
+        out,
+        re.M,
+    )
+    assert got, out
+    assert not os.path.exists(got.group(1)), "the unpacked NCCL outlived the script"
+    assert out.strip().splitlines()[-1].endswith("GPU_CHECK_SETUP_ONLY=1: no steps run"), out
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")
+def test_setup_says_when_no_usable_nccl_was_carried(tmp_path):
+    """Absent, incomplete or corrupt: one line each, and the bench falls back to CuPy's NCCL."""
+    path = _emulated_path(tmp_path)
+    cases = [
+        (tmp_path / "absent", rf"NCCL carried: none \({re.escape(str(tmp_path / 'absent'))} absent; to measure NCCL "),
+        (
+            _carried_nccl(tmp_path / "no_smoke", b"", smoke=False),
+            r"NCCL carried: \S+/no_smoke lacks libnccl-2\.30\.7-sm90\.so\.xz or gpu_smoke_test\.py ",
+        ),
+        (
+            _carried_nccl(tmp_path / "corrupt", b"\xfd7zXZ\x00 this is no xz stream"),
+            rf"NCCL carried: \S+/corrupt/{re.escape(NCCL_XZ)} could not be unpacked or loaded \(see the log\)",
+        ),
+    ]
+    for folder, pattern in cases:
+        rc, out = _run({"GPU_CHECK_SETUP_ONLY": "1", "GPU_CHECK_NCCL_DIR": str(folder), "PYTHONPATH": path}, tmp_path)
+        assert rc == 0, out
+        lines = [line for line in out.splitlines() if "NCCL carried:" in line]
+        assert len(lines) == 1 and re.search(pattern, lines[0]), (pattern, out)
+        assert lines[0].endswith("the bench uses CuPy's NCCL"), lines[0]
+
+
+def test_the_bench_steps_use_the_carried_nccl_only_after_its_smoke_test():
+    text = SCRIPT.read_text()
+    lines = text.splitlines()
+    # the header says how a session carries it: the copy from /work/shared/nccl into .nccl/, and the carry list
+    head = "\n".join(line for line in lines if line.startswith("#"))
+    copy = "mkdir -p .nccl && cp /work/shared/nccl/libnccl-2.30.7-sm90.so.xz /work/shared/nccl/gpu_smoke_test.py .nccl/"
+    assert f"#   {copy}" in lines and '#   carry: [".nccl", "wheels"]' in lines, head
+    assert "NCCL_DIR=${GPU_CHECK_NCCL_DIR:-$ROOT/.nccl}" in text
+    # .nccl/ is git-ignored, so a session's copy never lands in a commit
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".nccl/" + NCCL_XZ], cwd=ROOT, timeout=30)
+    if ignored.returncode == 128:  # not a git checkout
+        assert "/.nccl/" in (ROOT / ".gitignore").read_text().split()
+    else:
+        assert ignored.returncode == 0, ".nccl/ is not git-ignored"
+    # order: the smoke test (its output in $OUT), then the bench steps; RINGCOMM_NCCL_LIB is set only when it passed
+    smoke = text.index('step "nccl smoke"')
+    assert smoke < text.index("step compile") < text.index('step "ringcomm-bench"') < text.index('step "ipc-stream')
+    assert re.search(
+        r"NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN \$PY '\$NCCL_SMOKE' '\$NCCL_LIB' \\\n\s+"
+        r"2>&1 \| tee '\$OUTDIR/nccl_smoke.txt'",
+        text,
+    )
+    assigned = [m.start() for m in re.finditer(r"^\s*NCCL_ENV=", text, re.M)]
+    assert len(assigned) == 2 and text[assigned[0] :].startswith('NCCL_ENV=""'), assigned
+    passed = text.index('if [ "${RCS[-1]}" = 0 ]; then', smoke)
+    assert smoke < passed < assigned[1] < text.index("else", passed)
+    assert text[assigned[1] :].split("\n")[0].strip() == (
+        'NCCL_ENV="RINGCOMM_NCCL_LIB=$NCCL_LIB NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN"'
+    )
+    # every mpiexec of the bench steps runs with it (and only those: the tests keep CuPy's NCCL)
+    bench = [line for line in lines if "mpiexec" in line and "ringcomm.bench" in line]
+    assert len(bench) == 2 and all(
+        re.search(r"\$NCCL_ENV RINGCOMM_\w+=\S+ (RINGCOMM_\w+=\S+ )?mpiexec", b) for b in bench
+    )
+    assert text.count("$NCCL_ENV") == 2
+
+
+_STUB = '''#!{python}
+"""The interpreter the steps see: logs each step's command (and the NCCL it would load) to {calls}, then
+exits 0 (the smoke test: $STUB_SMOKE_RC); the set-up's probes and the summary run on the real interpreter."""
+import json, os, sys
+
+args = sys.argv[1:]
+if args[:1] == ["-"] or (args[:1] == ["-c"] and "warm_up" not in args[1]):
+    os.execv({python!r}, [{python!r}, *args])
+env = os.environ
+call = {{"args": args, "lib": env.get("RINGCOMM_NCCL_LIB"), "multi": env.get("NCCL_MULTI_RANK_GPU_ENABLE")}}
+with open({calls!r}, "a") as f:
+    f.write(json.dumps(call) + "\\n")
+smoke = bool(args) and args[0].endswith("gpu_smoke_test.py")
+sys.exit(int(os.environ.get("STUB_SMOKE_RC", "0")) if smoke else 0)
+'''
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None or CXX is None, reason="no mpiexec or no C++ compiler")
+@pytest.mark.parametrize("carried", ["smoke test passes", "smoke test fails", "none"])
+def test_every_step_with_the_carried_nccl_or_without(tmp_path, carried):
+    """The whole script with every step's command stubbed (the interpreter the steps run logs what it was asked
+    and which NCCL it would load): the smoke test gets the unpacked library; the bench's mpiexec runs, and only
+    they, name it in RINGCOMM_NCCL_LIB with NCCL_MULTI_RANK_GPU_ENABLE=1 when the smoke test passed; otherwise
+    they run on CuPy's NCCL, and the summary says which."""
+    calls = tmp_path / "calls.jsonl"
+    stub = tmp_path / "python"
+    stub.write_text(_STUB.format(python=sys.executable, calls=str(calls)))
+    stub.chmod(0o755)
+    folder = tmp_path / "none"
+    if carried != "none":
+        source = tmp_path / "nccl.cpp"
+        source.write_text('extern "C" int ncclGetVersion(int *v) { *v = 23007; return 0; }\n')
+        lib = tmp_path / "libnccl.so.2"
+        cmd = [CXX, "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", str(source), "-o", str(lib)]
+        assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+        folder = _carried_nccl(tmp_path / "carried", lzma.compress(lib.read_bytes(), format=lzma.FORMAT_XZ))
+    env = {
+        "PYTHON": str(stub),
+        "GPU_CHECK_NCCL_DIR": str(folder),
+        "PYTHONPATH": _emulated_path(tmp_path),
+        "STUB_SMOKE_RC": "1" if carried == "smoke test fails" else "0",
+    }
+    rc, out = _run(env, tmp_path, timeout=240)
+    log = [json.loads(line) for line in calls.read_text().splitlines()]
+    smoke = [c for c in log if c["args"][0].endswith("gpu_smoke_test.py")]
+    bench = [c for c in log if c["args"][:2] == ["-m", "ringcomm.bench"]]
+    others = [c for c in log if c not in smoke and c not in bench]
+    assert len(bench) == 2 + 2 * (2 + 4), log  # ringcomm-bench at N = 2; ipc and ipc-stream at N = 2 and 4
+    assert others and all(c["lib"] is None for c in others), others  # the tests and other benchmarks: CuPy's NCCL
+    if carried == "none":
+        assert rc == 0 and smoke == [], out
+        assert "== nccl smoke: not run (no NCCL carried): the bench's NCCL rows use CuPy's NCCL" in out
+        assert all(c["lib"] is None for c in bench), bench
+        assert "the bench's NCCL rows: CuPy's NCCL\n" in out, out
+        return
+    (call,) = smoke
+    unpacked = call["args"][1]
+    assert re.fullmatch(r"/tmp/ringcomm_nccl\.\w+/libnccl\.so\.2", unpacked) and call["multi"] == "1", call
+    assert not os.path.exists(unpacked), "the unpacked NCCL outlived the script"
+    with tarfile.open(tmp_path / "out" / "results.tgz") as tgz:  # what a device call brings back
+        assert "nccl_smoke.txt" in tgz.getnames(), tgz.getnames()
+    if carried == "smoke test passes":
+        assert rc == 0, out
+        assert all(c["lib"] == unpacked and c["multi"] == "1" for c in bench), bench
+        assert f"the bench's NCCL rows: NCCL 2.30.7 carried in {folder} (RINGCOMM_NCCL_LIB={unpacked}; its smoke" in out
+    else:
+        assert rc == 1, out  # a step failed
+        assert all(c["lib"] is None for c in bench), bench
+        assert "the bench's NCCL rows: CuPy's NCCL (the carried NCCL failed its smoke test: " in out, out
+        assert re.search(r"^nccl smoke\s+1\s+\d+\s+20$", out, re.M), out

@@ -8,7 +8,7 @@ Run ``mpiexec -n 4 python -m ringcomm.bench -b 8 -e 128M -f 2`` (or ``ringcomm-b
 - :mod:`~ringcomm.bench.impls`: the implementations compared (ringcomm, MPI, NCCL) on shared buffers;
 - :mod:`~ringcomm.bench.runner`: warm-up, timing, checking, the cross-rank reduction of a row;
 - :mod:`~ringcomm.bench.report`: the table (and its parser), JSON, the plot;
-- :mod:`~ringcomm.bench.env`: versions, devices, node layout;
+- :mod:`~ringcomm.bench.env`: versions, devices, node layout, the NCCL library a user names;
 - :mod:`~ringcomm.bench.cli`: argument parsing that behaves under mpiexec;
 - :mod:`~ringcomm.bench.__main__`: the command line, ``main(argv)``.
 """

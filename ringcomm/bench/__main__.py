@@ -120,6 +120,14 @@ def build_parser(quiet: bool = False) -> RankParser:
     )
     a("--seed", type=int, default=0, help="seed of the test data (default 0)")
     a(
+        "--nccl-lib",
+        metavar="PATH",
+        default=None,
+        help="the NCCL library (libnccl.so.2) the NCCL rows use: loaded before CuPy's NCCL bindings, which then "
+        f"bind to it; its version must be the one cupy.cuda.nccl reports (default: ${env.NCCL_LIB_ENV}, else "
+        "CuPy's own NCCL)",
+    )
+    a(
         "-a",
         "--accumulate",
         default=None,
@@ -148,6 +156,7 @@ class Plan:
     step: str
     skipped: list[str]
     accumulate: str | None = None
+    nccl_lib: tuple[str, str] | None = None  # (path, named by): --nccl-lib, else RINGCOMM_NCCL_LIB; None: CuPy's
     sizes: list[int] = dataclasses.field(default_factory=list)
     argv: list[str] = dataclasses.field(default_factory=list)
 
@@ -211,8 +220,23 @@ class Plan:
         except ValueError as e:
             raise UsageError(str(e)) from None
         step = f"{step_bytes}(bytes)" if step_bytes is not None else f"{factor}(factor)"
+        try:
+            nccl_lib = env.nccl_library_named(args.nccl_lib)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return cls(
-            collectives, sweep, combos, dtypes, names or [], device, settings, args.root, step, skipped, args.accumulate
+            collectives,
+            sweep,
+            combos,
+            dtypes,
+            names or [],
+            device,
+            settings,
+            args.root,
+            step,
+            skipped,
+            args.accumulate,
+            nccl_lib,
         )
 
     def resolve(self, device: str, args: argparse.Namespace) -> None:
@@ -248,6 +272,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as e:
         return parser.fail(e)
 
+    # The NCCL library named by --nccl-lib or RINGCOMM_NCCL_LIB is loaded now, before anything imports CuPy
+    # (whose NCCL bindings bind to the first libnccl.so.2 loaded). A failure here is local; the ranks agree on it
+    # first thing in _run, before any other communication.
+    nccl_lib: env.NcclLibrary | str | None = None
+    if plan.nccl_lib is not None:
+        try:
+            nccl_lib = env.load_nccl_library(*plan.nccl_lib)
+        except env.NcclLibraryError as e:
+            nccl_lib = str(e)
+
     import ringcomm
 
     comm = ringcomm.init()
@@ -257,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     watchdog = Watchdog(args.timeout if args.timeout is not None else comm.timeout + 60, comm.rank)
     try:
-        return _run(comm, args, plan, watchdog, Out(comm.rank))
+        return _run(comm, args, plan, watchdog, Out(comm.rank), nccl_lib)
     except Exception:
         # A failure on some ranks would leave the others waiting for them until their deadlines:
         # end the whole job now, as mpi4py's own runner (python -m mpi4py) does.
@@ -270,8 +304,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         watchdog.stop()
 
 
-def _run(comm: Any, args: argparse.Namespace, plan: Plan, watchdog: Watchdog, out: Out) -> int:
+def _first_error(comm: Any, error: str) -> str:
+    """The error of the lowest rank that has one ("" when none has), this rank's own in full, another
+    rank's as gathered (cut to ringcomm.records.TEXT_BYTES). Collective: every rank learns it."""
+    errors = env.gather_strings(comm, error)
+    failed = [r for r, e in enumerate(errors) if e]
+    if not failed:
+        return ""
+    first = failed[0]
+    text = error if first == comm.rank else f"rank {first}: {errors[first]}"
+    more = len(failed) - 1
+    return text + (f" (and {more} other rank{'s' if more > 1 else ''})" if more else "")
+
+
+def _run(
+    comm: Any,
+    args: argparse.Namespace,
+    plan: Plan,
+    watchdog: Watchdog,
+    out: Out,
+    nccl_lib: env.NcclLibrary | str | None = None,
+) -> int:
     watchdog.beat("start-up (device, implementations)")
+    error = _first_error(comm, nccl_lib if isinstance(nccl_lib, str) else "")
+    if error:
+        if comm.rank == 0:
+            sys.stderr.write(f"ringcomm-bench: error: {error}\n")
+        return 2
+    named = nccl_lib if isinstance(nccl_lib, env.NcclLibrary) else None
     cupy, why = env.cupy_module() if args.device in ("auto", "cuda") else (None, "--device host")
     have_gpu = env.all_true(comm, cupy is not None)
     if args.device == "cuda" and not have_gpu:
@@ -297,12 +357,21 @@ def _run(comm: Any, args: argparse.Namespace, plan: Plan, watchdog: Watchdog, ou
                     sys.stderr.write(f"ringcomm-bench: error: -d {names}: this CuPy has no such GPU arrays\n")
                 return 2
 
-    impls, notes = _make_impls(comm, plan, device, cupy, stream, xp)
+    nccl, nccl_why = None, ""
+    if device == "cuda" and "nccl" in plan.impls:
+        nccl, nccl_why = env.nccl_module()
+        # the NCCL library named must be the one CuPy's bindings use: an error on every rank, before any NCCL call
+        error = _first_error(comm, named.mismatch(nccl) if named is not None and nccl is not None else "")
+        if error:
+            if comm.rank == 0:
+                sys.stderr.write(f"ringcomm-bench: error: {error}\n")
+            return 2
+    impls, notes = _make_impls(comm, plan, device, cupy, stream, xp, nccl, nccl_why)
     if not impls:
         if comm.rank == 0:
             sys.stderr.write("ringcomm-bench: error: no implementation can run: " + "; ".join(notes) + "\n")
         return 2
-    environment = _header(comm, plan, device, cupy, impls, notes, xp, out)
+    environment = _header(comm, plan, device, cupy, impls, notes, xp, out, named, nccl)
 
     runner = Runner(comm, impls, plan.settings, xp, watchdog)
     names = [i.name for i in impls]
@@ -362,8 +431,11 @@ def _counts(plan: Plan, collective: str, nranks: int, dtype: np.dtype) -> list[i
     return sizes.sweep_counts(plan.sizes, np.dtype(dtype).itemsize, collective, nranks)
 
 
-def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: Any) -> tuple[list[Any], list[str]]:
-    """The implementations that can run, in --impl order, and a note for each that cannot."""
+def _make_impls(
+    comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: Any, nccl: Any = None, nccl_why: str = ""
+) -> tuple[list[Any], list[str]]:
+    """The implementations that can run, in --impl order, and a note for each that cannot. ``nccl``:
+    cupy.cuda.nccl on this rank (None: ``nccl_why`` says why not)."""
     from ..transports.staged import cuda_aware_mpi  # ringcomm's own probe (RINGCOMM_CUDA_AWARE_MPI overrides)
     from .impls import MpiImpl, NcclImpl, RingcommImpl
 
@@ -382,9 +454,8 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
             if device != "cuda":
                 notes.append("nccl: not run: NCCL needs GPU buffers (--device cuda)")
                 continue
-            nccl, why = env.nccl_module()
             if not env.all_true(comm, nccl is not None):
-                notes.append(f"nccl: NCCL could not run: {why or 'not available on another rank'}")
+                notes.append(f"nccl: NCCL could not run: {nccl_why or 'not available on another rank'}")
                 continue
             impl, why = NcclImpl.create(comm, cupy, nccl, stream, env.ranks_per_gpu(comm, cupy), env.mps_status())
             if impl is None:
@@ -395,13 +466,28 @@ def _make_impls(comm: Any, plan: Plan, device: str, cupy: Any, stream: Any, xp: 
 
 
 def _header(
-    comm: Any, plan: Plan, device: str, cupy: Any, impls: list[Any], notes: list[str], xp: Any, out: Out
+    comm: Any,
+    plan: Plan,
+    device: str,
+    cupy: Any,
+    impls: list[Any],
+    notes: list[str],
+    xp: Any,
+    out: Out,
+    named: env.NcclLibrary | None = None,
+    nccl: Any = None,
 ) -> dict[str, Any]:
-    """Print the header (nccl-tests' first lines, then ringcomm's) and return it as a dict for JSON."""
-    nccl = next((i.nccl for i in impls if i.name == "nccl"), None)
-    if nccl is None and device == "cuda" and "nccl" in plan.impls:
-        nccl, _ = env.nccl_module()  # NCCL did not run: its version still goes in the header
+    """Print the header (nccl-tests' first lines, then ringcomm's) and return it as a dict for JSON.
+    ``named``: the NCCL library --nccl-lib or RINGCOMM_NCCL_LIB loaded; ``nccl``: cupy.cuda.nccl when
+    NCCL was asked for on GPUs (its version goes in the header even when NCCL did not run)."""
     vers = env.versions(cupy, nccl)
+    if device != "cuda":
+        unused = "NCCL runs with --device cuda only"
+    elif "nccl" not in plan.impls:
+        unused = "--impl has no nccl"
+    else:
+        unused = "NCCL could not run: see below"
+    nccl_line = env.nccl_library_line(named, nccl, unused)
     nodes, per_node = env.node_layout(comm)
     probe = xp.empty(16, plan.dtypes[0])
     ring = next((i for i in impls if i.name == "ringcomm"), None)
@@ -481,6 +567,8 @@ def _header(
     out(f"# Accumulate: {plan.accumulate or 'none'} (ringcomm's float16/bfloat16 partial sums; -a/--accumulate)")
     out("# Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if k != "MPI"))
     out(f"# MPI library: {vers['MPI']}")
+    if nccl_line:
+        out(f"# NCCL library: {nccl_line}")
     out("# Implementations:")
     for impl in impls:
         out(f"#   {impl.name:<8} : {impl.describe(probe, plan.dtypes)}")
@@ -516,6 +604,12 @@ def _header(
         "node_labels": list(comm.nodes),
         "edges": [{"from": a, "to": b, "transport": t} for a, b, t in edges],
         "versions": vers,
+        "nccl_library": {
+            "path": named.path if named is not None else None,
+            "named_by": named.named_by if named is not None else None,
+            "version": named.version if named is not None else None,
+            "line": nccl_line,
+        },
         "time": st.describe(),
         "ranks_detail": ranks,
         "implementations": {i.name: i.describe(probe, plan.dtypes) for i in impls},
@@ -535,6 +629,7 @@ def _settings_dict(plan: Plan) -> dict[str, Any]:
         types=[data.type_name(t) for t in plan.dtypes],
         impls=plan.impls,
         accumulate=plan.accumulate,
+        nccl_lib=plan.nccl_lib[0] if plan.nccl_lib is not None else None,
     )
     return d
 
