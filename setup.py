@@ -19,6 +19,8 @@ setup(
         "cuda": ["cupy-cuda13x[ctk]>=14", "cuda-bindings>=13,<14"],
         "cuda12": ["cupy-cuda12x[ctk]>=14", "cuda-bindings>=12,<13"],
         "plot": ["matplotlib>=3.6"],
+        # the torch.distributed backend (ringcomm.torch); the tests' CPU build: pip install "torch==2.13.0+cpu"
+        "torch": ["torch>=2.4"],
     },
     entry_points={"console_scripts": ["ringcomm-bench=ringcomm.bench.__main__:main"]},
 )
