@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,18 +28,24 @@ from pathlib import Path
 
 import pytest
 from mpi4py import MPI
+from pytest_mpi.plugin import MPIImplementation, detect_mpi_implementation
 
 #: each rank of a launch appends its reports here (a folder), set by the launching process
 REPORTS = "RINGCOMM_TEST_REPORTS"
 #: mpi-pytest's mark of the processes its mpiexec starts (they run their tests unmodified)
 CHILD = "_PYTEST_MPI_CHILD_PROCESS"
 #: a launch that takes longer than this has hung (every wait of ringcomm has a deadline; the tests' own
-#: deadline is 30 s, 60 s on the emulated GPU)
-LAUNCH_TIMEOUT_S = 1800
+#: deadline is 30 s, 60 s on the emulated GPU); its unfinished test fails with the launch's output
+LAUNCH_TIMEOUT_S = 900
 
 
 def _enabled() -> bool:
     return os.environ.get("RINGCOMM_TEST_BATCH", "1") != "0" and MPI.COMM_WORLD.size == 1 and CHILD not in os.environ
+
+
+def batched(item: pytest.Item) -> bool:
+    """Whether ``item`` runs in one of this module's launches (its body, here, only reports)."""
+    return _enabled() and item.get_closest_marker("parallel") is not None and _nprocs(item) > 1
 
 
 def _nprocs(item: pytest.Item) -> int:
@@ -59,63 +66,91 @@ def _as_tuple(marker) -> tuple[int, ...]:
     return tuple(arg) if isinstance(arg, (list, tuple)) else (arg,)
 
 
+def _mpiexec(n: int, env: dict[str, str], argv: list[str], quiet: list[str]) -> list[str]:
+    """mpiexec running ``argv`` on rank 0 and ``argv + quiet`` on the other n - 1 ranks, with ``env``
+    (MPICH's, Open MPI's and MS-MPI's spellings, as mpi-pytest's own launch)."""
+    impl = detect_mpi_implementation()
+    if impl is MPIImplementation.OPENMPI:
+        flags = [f for k, v in env.items() for f in ("-x", f"{k}={v}")]
+        return ["mpiexec", "--oversubscribe", "-n", "1", *flags, *argv, ":", "-n", str(n - 1), *argv, *quiet]
+    option = "-genv" if impl is MPIImplementation.MPICH else "-env"
+    flags = [f for k, v in env.items() for f in (option, k, v)]
+    return ["mpiexec", "-n", "1", *flags, *argv, ":", "-n", str(n - 1), *argv, *quiet]
+
+
 class Launches:
     """The session's launches: the tests of each (module, rank count), and what their ranks reported."""
 
     def __init__(self, items: list[pytest.Item]):
         self.groups: dict[tuple[str, int], list[pytest.Item]] = {}
         for item in items:
-            if item.get_closest_marker("parallel") is not None and _nprocs(item) > 1:
+            if batched(item):
                 self.groups.setdefault(_group(item), []).append(item)
-        #: nodeid -> {rank: {phase: report}}
+        #: nodeid -> {rank: {phase: report}}, from the last launch that ran the test
         self.reports: dict[str, dict[int, dict[str, dict]]] = {}
-        #: nodeid -> the output of the launch that was to report it
-        self.output: dict[str, str] = {}
         self.folder = tempfile.TemporaryDirectory(prefix="ringcomm-launches-")
         self.count = 0
 
-    def done(self, item: pytest.Item, n: int) -> bool:
-        """Whether every rank reported the test's teardown (or a failure, which aborts the launch)."""
+    def failed(self, item: pytest.Item) -> bool:
         got = self.reports.get(item.nodeid, {})
-        return any(r["outcome"] == "failed" for ranks in got.values() for r in ranks.values()) or (
-            len(got) == n and all("teardown" in phases for phases in got.values())
-        )
+        return any(r["outcome"] == "failed" for phases in got.values() for r in phases.values())
+
+    def done(self, item: pytest.Item) -> bool:
+        """Whether every rank reported the test's teardown, or one its failure (which aborts the launch)."""
+        got = self.reports.get(item.nodeid, {})
+        return self.failed(item) or (len(got) == _nprocs(item) and all("teardown" in phases for phases in got.values()))
 
     def run(self, item: pytest.Item) -> None:
-        n = _nprocs(item)
-        while not self.done(item, n):
-            todo = [i for i in self.groups[_group(item)] if not self.done(i, n)]
-            first = todo[0]
+        """Launch the tests of ``item``'s group not run yet, until ``item`` has its reports. A launch
+        that dies (a crash, an abort, the time limit) fails the test it was in; the tests it never
+        started run in the next launch."""
+        while not self.done(item):
+            todo = [i for i in self.groups[_group(item)] if not self.done(i)]
+            for i in todo:  # (nothing of an earlier launch that died is mixed into this one's)
+                self.reports.pop(i.nodeid, None)
             self.count += 1
-            self._launch(todo, n, Path(self.folder.name) / f"launch{self.count}")
-            if not self.done(first, n):  # it could not even report: no retry would do better
-                self.reports.setdefault(first.nodeid, {}).setdefault(0, {})["call"] = {
-                    "outcome": "failed",
-                    "text": f"no report from every rank; the launch's output:\n{self.output[first.nodeid]}",
-                    "duration": 0.0,
-                }
+            status, output = self._launch(todo, Path(self.folder.name) / f"launch{self.count}")
+            unfinished = [i for i in todo if i.nodeid in self.reports and not self.done(i)]
+            if status != 0 and not any(self.failed(i) for i in todo) and not unfinished:
+                unfinished = [i for i in todo if i.nodeid in self.reports][-1:] or todo[:1]
+            for i in unfinished:  # it started, and no rank reported a failure: the launch died in it
+                self._fail(i, f"the launch ended while it ran, with no failure reported:\n{output}")
+            if not self.done(todo[0]):  # the launch ran nothing at all: no retry would do better
+                self._fail(todo[0], f"the launch did not run it:\n{output}")
 
-    def _launch(self, items: list[pytest.Item], n: int, folder: Path) -> None:
+    def _fail(self, item: pytest.Item, text: str) -> None:
+        self.reports[item.nodeid] = {0: {"call": {"outcome": "failed", "text": text}}}
+
+    def _launch(self, items: list[pytest.Item], folder: Path) -> tuple[int, str]:
+        """Run ``items`` in one mpiexec; collect what each rank reported. (exit status, output)."""
         folder.mkdir()
-        py = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--runxfail", "--no-header"]
-        quiet = ["--tb=no", "--no-summary", "--disable-warnings", "--show-capture=no"]
-        ids = [i.nodeid for i in items]
-        cmd = ["mpiexec", "-n", "1", "-genv", CHILD, "1", "-genv", REPORTS, str(folder), *py, *ids]
-        cmd += [":", "-n", str(n - 1), *py, *quiet, *ids]
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--runxfail", "--no-header"]
+        argv += [i.nodeid for i in items]
+        quiet = ["--no-summary", "--disable-warnings"]
+        cmd = _mpiexec(_nprocs(items[0]), {CHILD: "1", REPORTS: str(folder)}, argv, quiet)
+        root = items[0].config.rootpath  # (node ids are relative to it)
+        proc = subprocess.Popen(
+            cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, stdin=subprocess.DEVNULL
-            )
-            output = f"$ {' '.join(cmd)}\n(exit {done.returncode})\n{done.stdout}\n{done.stderr}"
-        except subprocess.TimeoutExpired as e:
-            output = f"$ {' '.join(cmd)}\n(killed after {LAUNCH_TIMEOUT_S} s)\n{e.stdout}\n{e.stderr}"
+            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            status, end = proc.returncode, f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+            out, _ = proc.communicate()
+            status, end = -1, f"killed after {LAUNCH_TIMEOUT_S} s"
+        text = out.decode(errors="replace")
+        output = f"$ {' '.join(cmd)}\n({end})\n{text[-20000:]}"
         for path in folder.glob("rank*.jsonl"):
             rank = int(path.stem[4:])
             for line in path.read_text().splitlines():
-                r = json.loads(line)
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
                 self.reports.setdefault(r["nodeid"], {}).setdefault(rank, {})[r["when"]] = r
-        for i in items:
-            self.output[i.nodeid] = output[-20000:]
+        return status, output
 
 
 _KEY = pytest.StashKey[Launches]()
@@ -149,15 +184,17 @@ def runtest_setup(item: pytest.Item) -> None:
 
 
 def report(item: pytest.Item, report: pytest.TestReport) -> None:
-    """In a rank of a launch: append this phase's report to the rank's file (before any abort)."""
+    """In a rank of a launch: append this phase's report to the rank's file (before any abort), with
+    what the test printed (the seed that replays it) when it failed."""
     folder = os.environ.get(REPORTS)
     if not folder or item.get_closest_marker("parallel") is None:
         return
     if report.skipped and isinstance(report.longrepr, tuple):
-        text = report.longrepr[2]
+        text = report.longrepr[2].removeprefix("Skipped: ")
     else:
         text = report.longreprtext
+    if report.failed:
+        text += "".join(f"\n--- {name} ---\n{body}" for name, body in report.sections if body)
     line = {"nodeid": item.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
-    line["duration"] = report.duration
     with open(Path(folder) / f"rank{MPI.COMM_WORLD.rank}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -1,0 +1,100 @@
+"""The launches of tests/mpi_batches.py report what the ranks saw: a pass, a failure on one rank (with
+its output), a test after a failure (run again), a rank that dies mid-test, a skip, a test alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+
+from conftest import ROOT
+
+MODULE = """
+import os
+import sys
+
+import pytest
+from mpi4py import MPI
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_a_passes():
+    assert MPI.COMM_WORLD.allreduce(1) == 2
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_b_fails_on_rank_1():
+    print("[b] printed by the failing rank")
+    assert MPI.COMM_WORLD.rank == 0, "rank 1 disagrees"
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_c_after_the_failure_passes():
+    assert MPI.COMM_WORLD.allreduce(1) == 2
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_d_a_rank_dies():
+    MPI.COMM_WORLD.barrier()
+    if MPI.COMM_WORLD.rank == 1:
+        sys.stdout.flush()
+        os._exit(7)
+    MPI.COMM_WORLD.barrier()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_e_skips():
+    pytest.skip("not here")
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.alone
+def test_f_alone_sees_fresh_processes():
+    assert "SEEN" not in os.environ
+    os.environ["SEEN"] = "1"
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_g_shares_the_module_launch():
+    assert "SEEN" not in os.environ
+    os.environ["SEEN"] = "1"
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_h_after_g_sees_its_change():
+    assert os.environ.get("SEEN") == "1"
+"""
+
+
+def test_every_outcome_reaches_the_test_that_had_it():
+    path = ROOT / "tests" / f"_batch_selftest_{uuid.uuid4().hex[:8]}.py"  # (the real conftest applies)
+    path.write_text(MODULE)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(path.relative_to(ROOT))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "RINGCOMM_TEST_BATCH"},
+        )
+    finally:
+        path.unlink()
+    out = done.stdout + done.stderr
+    got = dict(re.findall(r"::(test_\w+) (PASSED|FAILED|SKIPPED)", out))
+    assert got == {
+        "test_a_passes": "PASSED",
+        "test_b_fails_on_rank_1": "FAILED",
+        "test_c_after_the_failure_passes": "PASSED",
+        "test_d_a_rank_dies": "FAILED",
+        "test_e_skips": "SKIPPED",
+        "test_f_alone_sees_fresh_processes": "PASSED",
+        "test_g_shares_the_module_launch": "PASSED",
+        "test_h_after_g_sees_its_change": "PASSED",
+    }, out
+    assert "rank 1, call" in out and "rank 1 disagrees" in out and "[b] printed by the failing rank" in out, out
+    assert "the launch ended while it ran" in out, out
+    assert "not here" in out and "Skipped: Skipped" not in out, out
+    assert done.returncode == 1, out
