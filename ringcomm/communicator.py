@@ -94,6 +94,12 @@ _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "
 _OPS = (None,) + tuple(ReduceOp)
 
 
+def _schedule_name(ctx: Context) -> str:
+    """What the DEBUG line calls a schedule's steps: broadcasts and reduces run a pipelined chain,
+    the other collectives the ring."""
+    return "chain" if ctx.collective in ("broadcast", "reduce") else "ring"
+
+
 class Communicator:
     """A ring over the ranks of an mpi4py intracommunicator.
 
@@ -607,12 +613,26 @@ class Communicator:
                 )
                 plan = self._cache(key, made)
             algorithm, nsteps = (
-                ("direct", 2 if ctx.collective == "all_reduce" else 1) if direct else ("ring", len(steps))
+                ("direct", 2 if ctx.collective == "all_reduce" else 1) if direct else (_schedule_name(ctx), len(steps))
             )
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
+        algorithm = _schedule_name(ctx)
         self._launch(
-            ctx, count, root, agreed, "ring", link, len(steps), execute, steps, bounds, work, src, link, result_chunks
+            ctx,
+            count,
+            root,
+            agreed,
+            algorithm,
+            link,
+            len(steps),
+            execute,
+            steps,
+            bounds,
+            work,
+            src,
+            link,
+            result_chunks,
         )
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
