@@ -39,6 +39,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -598,22 +599,46 @@ def _options(backend_options: Any) -> dict:
     return dict(backend_options)
 
 
-def _check_against_mpi(rank: int | None, size: int | None, where: str) -> None:
-    """ValueError unless torch's rank and world size (None: not given) are MPI's."""
+def _mismatch(rank: int | None, size: int | None, where: str) -> str | None:
+    """Why torch's rank and world size (None: not given) are not MPI's; None when they are."""
     world = MPI.COMM_WORLD
     if (rank is None or rank == world.rank) and (size is None or size == world.size):
-        return
+        return None
     asked = f"rank {rank} of {size}" if rank is not None and size is not None else f"rank {rank}, world size {size}"
     if world.size == 1 and (size is None or size > 1):
-        raise ValueError(
+        return (
             f"ringcomm: torch.distributed asks for {asked} ({where}), but this process is not under MPI with that "
             f"many ranks (MPI sees {world.size} process): start every rank with `mpiexec -n {size or 'N'} python ...`; "
             "ringcomm's ranks are MPI's"
         )
-    raise ValueError(
+    return (
         f"ringcomm: torch.distributed asks for {asked} ({where}), but MPI says rank {world.rank} of {world.size}; "
         "ringcomm's ranks are MPI's: unset RANK and WORLD_SIZE (and rank=/world_size=) or make them MPI's"
     )
+
+
+def _agree_with_mpi(rank: int | None, size: int | None, where: str, timeout: float) -> None:
+    """:func:`_mismatch` on every MPI rank together: where any rank's rank or world size is not MPI's,
+    every rank raises a ValueError (that rank's says why) before anything else is exchanged, so that
+    none is left waiting for the others; a rank that never comes is a TimeoutError after ``timeout`` s."""
+    world = MPI.COMM_WORLD
+    error = _mismatch(rank, size, where)
+    mine, anyone = np.array([error is not None], np.int32), np.zeros(1, np.int32)
+    request, end = world.Iallreduce(mine, anyone, op=MPI.MAX), time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > end:
+            raise TimeoutError(
+                f"ringcomm: rank {world.rank} waited {timeout:g} s for every MPI rank to check its rank and world size "
+                f"({where}): a rank did not call init_process_group"
+            )
+        time.sleep(0.001)
+    if error is not None:
+        raise ValueError(error)
+    if anyone[0]:
+        raise ValueError(
+            f"ringcomm: another rank's torch rank or world size ({where}) is not MPI's (its error says which); "
+            f"rank {world.rank} stops too"
+        )
 
 
 def _create(opts: Any, backend_options: Any) -> ProcessGroupRingcomm:
@@ -623,11 +648,13 @@ def _create(opts: Any, backend_options: Any) -> ProcessGroupRingcomm:
     rank, size, ranks = opts.group_rank, opts.group_size, list(opts.global_ranks_in_group)
     world = MPI.COMM_WORLD
     if not ranks:  # the default group: the MPI world
-        _check_against_mpi(rank, size, "init_process_group")
+        _agree_with_mpi(rank, size, "init_process_group", kwargs["timeout"])
         return ProcessGroupRingcomm(Communicator(world, **kwargs), rank, size)
     if not dist.is_initialized():
         raise RuntimeError("ringcomm: a subgroup needs the default process group (dist.init_process_group)")
-    _check_against_mpi(dist.get_rank(), dist.get_world_size(), "the default process group")
+    error = _mismatch(dist.get_rank(), dist.get_world_size(), "the default process group")
+    if error is not None:  # (members only make a subgroup: this check is each member's own)
+        raise ValueError(error)
     if len(set(ranks)) != len(ranks) or ranks[rank] != world.rank:
         raise ValueError(f"ringcomm: group ranks {ranks} do not put MPI rank {world.rank} at group rank {rank}")
     sub = world.Create_group(world.Get_group().Incl(ranks))  # (collective over the members only)
@@ -689,10 +716,11 @@ def mpi_store(
 
 
 def _env_rendezvous(torch_env: Callable[..., Iterator]) -> Callable[..., Iterator]:
-    """torch's env:// rendezvous, wrapped: with MASTER_ADDR and MASTER_PORT set, torch's own (under
-    MPI with 2 or more ranks, RANK and WORLD_SIZE default to MPI's and must agree with them); without
-    them, the ranks and world size are MPI's (checked against RANK/WORLD_SIZE when set) and the store
-    is :func:`mpi_store`."""
+    """torch's env:// rendezvous, wrapped: with MASTER_ADDR and MASTER_PORT set, torch's own, untouched
+    but for RANK and WORLD_SIZE, which under MPI with 2 or more ranks default to MPI's when not given
+    (a ringcomm group then checks them against MPI's, :func:`_create`; other backends' are theirs);
+    without them, the ranks and world size are MPI's (every rank checks RANK/WORLD_SIZE, when set,
+    against them, together) and the store is :func:`mpi_store`."""
 
     def env_rendezvous(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs: Any) -> Iterator:
         parts = urlparse(url)
@@ -700,15 +728,16 @@ def _env_rendezvous(torch_env: Callable[..., Iterator]) -> Callable[..., Iterato
         rank = _int(query.get("rank", os.environ.get("RANK")), "RANK")
         size = _int(query.get("world_size", os.environ.get("WORLD_SIZE")), "WORLD_SIZE")
         world = MPI.COMM_WORLD
-        master = bool(os.environ.get("MASTER_ADDR")) and bool(os.environ.get("MASTER_PORT"))
-        if master and world.size == 1:
-            yield from torch_env(url, timeout=timeout, **kwargs)  # torchrun and the like: not ours to check
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            if world.size > 1:
+                query.setdefault("rank", str(world.rank if rank is None else rank))
+                query.setdefault("world_size", str(world.size if size is None else size))
+                url = urlunparse(parts._replace(query=urlencode(query)))
+            yield from torch_env(url, timeout=timeout, **kwargs)
             return
-        _check_against_mpi(rank, size, "RANK/WORLD_SIZE or init_process_group's rank=/world_size=")
-        if master:
-            query.update(rank=str(world.rank), world_size=str(world.size))
-            yield from torch_env(urlunparse(parts._replace(query=urlencode(query))), timeout=timeout, **kwargs)
-            return
+        _agree_with_mpi(
+            rank, size, "RANK/WORLD_SIZE or init_process_group's rank=/world_size=", timeout.total_seconds()
+        )
         yield mpi_store(timeout), world.rank, world.size
         raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

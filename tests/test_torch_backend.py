@@ -137,18 +137,23 @@ def test_torch_distributed_on_ringcomm(monkeypatch):
 
 def check_rank_checks(mpi: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
     """RANK/WORLD_SIZE (or rank=/world_size=) that are not MPI's: a ValueError on every rank before
-    anything is exchanged, and no process group left behind."""
+    anything is exchanged, and no process group left behind; where only one rank's are wrong, the
+    others raise too (none waits for it). With MASTER_ADDR/MASTER_PORT, torch's own rendezvous runs
+    first (other backends' ranks are theirs), and the ringcomm group checks the ranks it gave."""
     n, r = mpi.size, mpi.rank
-    for env, kwargs in (
-        ({"RANK": str((r + 1) % n)}, {}),
-        ({"WORLD_SIZE": str(n + 1)}, {}),
-        ({"RANK": str(r), "WORLD_SIZE": str(n - 1)}, {}),
-        ({}, {"rank": (r + 1) % n, "world_size": n}),
-        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": str((r + 1) % n)}, {}),
+    port = str(mpi.bcast(_free_port() if r == 0 else None))
+    mine = f"but MPI says rank {r} of {n}"
+    for env, kwargs, match in (
+        ({"RANK": str((r + 1) % n)}, {}, mine),
+        ({"WORLD_SIZE": str(n + 1)}, {}, mine),
+        ({"RANK": str(r), "WORLD_SIZE": str(n - 1)}, {}, mine),
+        ({}, {"rank": (r + 1) % n, "world_size": n}, mine),
+        ({"RANK": str(n - 1 if r == 0 else r)}, {}, mine if r == 0 else "another rank's torch rank"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str((r + 1) % n)}, {}, mine),
     ):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=f"but MPI says rank {r} of {n}"):
+        with pytest.raises(ValueError, match=match):
             dist.init_process_group("ringcomm", timeout=TIMEOUT, **kwargs)
         assert not dist.is_initialized()
         for name in env:
@@ -567,9 +572,7 @@ def test_world_of_one(monkeypatch):
         assert dist.all_reduce(t, async_op=True).get_future().wait()[0] is t
     finally:
         dist.destroy_process_group()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         monkeypatch.setenv(name, value)
     dist.init_process_group("ringcomm", timeout=TIMEOUT)
@@ -578,6 +581,13 @@ def test_world_of_one(monkeypatch):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ the scripts
