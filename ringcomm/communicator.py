@@ -267,8 +267,8 @@ class Communicator:
     def shard_bounds(self, count: int) -> Bounds:
         """The (start, stop) of every rank's shard of ``count`` elements, as reduce_scatter cuts them.
 
-        Boundaries are multiples of :data:`ringcomm.schedule.ALIGN` (16) elements, so for counts
-        below 16·size some shards are empty; see :func:`ringcomm.schedule.partition`.
+        Boundaries are multiples of :data:`ringcomm.schedule.ALIGN` (16) elements, so for counts of
+        16·(size - 1) or fewer the last shards are empty; see :func:`ringcomm.schedule.partition`.
         """
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
             raise ValueError(f"count must be a non-negative integer; got {count!r}")
