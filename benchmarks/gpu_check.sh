@@ -67,7 +67,7 @@ BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 # Every step's limit in seconds (a command gets 5 s less): the times of the first runs on an H200 (2026-12-04:
 # set-up 6, compile 8 on a fresh machine, tests N=1 23, kernel bench 8, all-reduce 7, host cost 4, bench 11) with
 # room; then the multi-rank tests had an mpiexec per test (3.5-10 s each: N=2 15 tests, N=3,4 10), now one per
-# module and rank count (tests/mpi_batches.py). The set-up's own
+# rank count (tests/mpi_batches.py). The set-up's own
 # commands have their limits inside it (nvidia-smi 8, wheels 2 x 10, MPS 10 + 20, probe 15, NCCL unpack 30 + 10).
 # NCCL 2.30 (not yet run on a GPU, so estimates): its smoke test (about 3 s of Python on this CPU, plus CUDA's
 # and two NCCL communicators' start) and the NCCL rows the two bench steps now measure (an NCCL start per run, and

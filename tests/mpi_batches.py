@@ -1,15 +1,17 @@
-"""Multi-rank tests in one mpiexec launch per module and rank count, not one per test.
+"""Multi-rank tests in one mpiexec launch per rank count, not one per test.
 
 mpi-pytest runs each ``@pytest.mark.parallel`` test of a plain ``python -m pytest`` in an mpiexec
 launch of its own: N fresh interpreters that import numpy, mpi4py and ringcomm and collect the module
 again, about 2 s of the 2-core CI machine for every one of some 200 test cases. Here the first such
-test of a module (at one rank count) launches one ``mpiexec -n N python -m pytest`` for every selected
-test of that module and count; each rank writes a line per test phase (outcome, duration, the
-failure's text) to a file of its own as it goes, and each test then reports what its ranks reported.
+test at one rank count launches one ``mpiexec -n N python -m pytest`` for every selected test of that
+count (in every module); each rank writes a line per test phase (outcome, the failure's text and
+what the test printed) to a file of its own as it goes, and each test then reports what its ranks
+reported.
 
 A rank whose test fails aborts its launch (conftest: its peers would wait for it): the tests of that
-launch not reported yet run again in a new one, so one failure never hides another. A test still
-unreported after a launch of its own fails with that launch's output.
+launch not started yet run again in a new one, so one failure never hides another. A launch that
+ends inside a test with no failure reported (a crash, the time limit) fails that test with the
+launch's output; a launch that runs nothing fails its first test.
 
 A test that leaves its processes unusable (a stream stalled for ever, as a hung kernel leaves it) is
 marked ``@pytest.mark.alone`` and gets a launch of its own.
@@ -44,7 +46,7 @@ def _enabled() -> bool:
 
 
 def batched(item: pytest.Item) -> bool:
-    """Whether ``item`` runs in one of this module's launches (its body, here, only reports)."""
+    """Whether ``item`` runs in one of these launches (its body, here, only reports)."""
     return _enabled() and item.get_closest_marker("parallel") is not None and _nprocs(item) > 1
 
 
@@ -56,8 +58,8 @@ def _nprocs(item: pytest.Item) -> int:
 
 
 def _group(item: pytest.Item) -> tuple[str, int]:
-    """The launch a test joins: its module's at its rank count, or its own when marked ``alone``."""
-    where = item.nodeid if item.get_closest_marker("alone") is not None else str(item.path)
+    """The launch a test joins: the one of its rank count, or its own when marked ``alone``."""
+    where = item.nodeid if item.get_closest_marker("alone") is not None else ""
     return where, _nprocs(item)
 
 
@@ -79,7 +81,7 @@ def _mpiexec(n: int, env: dict[str, str], argv: list[str], quiet: list[str]) -> 
 
 
 class Launches:
-    """The session's launches: the tests of each (module, rank count), and what their ranks reported."""
+    """The session's launches: the tests of each rank count, and what their ranks reported."""
 
     def __init__(self, items: list[pytest.Item]):
         self.groups: dict[tuple[str, int], list[pytest.Item]] = {}

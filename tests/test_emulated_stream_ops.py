@@ -198,7 +198,7 @@ def test_a_value_wait_holds_its_stream_until_the_condition_holds(gpu, bits, cond
     ev.record(s)
     for v in holding:
         host[0] = v
-        time.sleep(0.02)  # the progress thread looks every 0.5 ms
+        time.sleep(0.02)  # the progress thread looks every 20 us
         assert not ev.done and not s.done, f"{cond} {value:#x} released at {v:#x}"
     host[0] = releasing
     assert _until(lambda: ev.done), f"{cond} {value:#x} not released at {releasing:#x}"
@@ -253,7 +253,7 @@ def test_streams_aliased_onto_one_work_queue_run_in_the_order_queued(gpu_one_wor
     assert d.cuStreamWaitValue32(d.CUstream(a.ptr), d.CUdeviceptr(flags.data.ptr), 1, g.GEQ) == g.ok
     assert d.cuStreamWriteValue32(d.CUstream(b.ptr), d.CUdeviceptr(flags.data.ptr + 4), 1, g.DEFAULT) == g.ok
     assert d.cuStreamWriteValue32(d.CUstream(b.ptr), d.CUdeviceptr(flags.data.ptr), 1, g.DEFAULT) == g.ok
-    time.sleep(0.05)  # the progress thread looks every 0.5 ms
+    time.sleep(0.05)  # the progress thread looks every 20 us
     assert host.tolist() == [0, 0, 0, 0] and not b.done and not a.done
     host[0] = 1
     assert _until(lambda: b.done and a.done) and host[1] == 1

@@ -57,7 +57,7 @@ def test_f_alone_sees_fresh_processes():
 
 
 @pytest.mark.parallel(nprocs=[2])
-def test_g_shares_the_module_launch():
+def test_g_shares_the_launch():
     assert "SEEN" not in os.environ
     os.environ["SEEN"] = "1"
 
@@ -91,7 +91,7 @@ def test_every_outcome_reaches_the_test_that_had_it():
         "test_d_a_rank_dies": "FAILED",
         "test_e_skips": "SKIPPED",
         "test_f_alone_sees_fresh_processes": "PASSED",
-        "test_g_shares_the_module_launch": "PASSED",
+        "test_g_shares_the_launch": "PASSED",
         "test_h_after_g_sees_its_change": "PASSED",
     }, out
     assert "rank 1, call" in out and "rank 1 disagrees" in out and "[b] printed by the failing rank" in out, out

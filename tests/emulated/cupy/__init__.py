@@ -85,7 +85,7 @@ _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy
 #: under it); a host wait or the progress thread releases it while a value wait is unsatisfied
 _lock = threading.RLock()
 _progress = threading.Condition(_lock)  # wakes the progress thread (a memory operation was queued)
-_POLL = 0.0005  # seconds between two looks at an unsatisfied value wait
+_POLL = 0.00002  # seconds between two looks at an unsatisfied value wait (a GPU looks all the time)
 _WORK_QUEUES = max(
     1, int(os.environ.get("RINGCOMM_EMULATED_WORK_QUEUES") or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8)
 )
