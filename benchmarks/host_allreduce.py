@@ -22,26 +22,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from ringcomm.bench import env, report, sizes
-from ringcomm.bench.cli import Exit, Out, RankParser, UsageError
+from ringcomm.bench.cli import Exit, Out, RankParser, UsageError, add_sweep_options, sweep_settings
 from ringcomm.bench.impls import MpiImpl, RingcommImpl
-from ringcomm.bench.runner import MODES, Runner, Settings, Watchdog, total_wrong
+from ringcomm.bench.runner import MODES, Runner, Watchdog, total_wrong
 from ringcomm.ops import ReduceOp
 
 
 def build_parser(quiet: bool) -> RankParser:
     p = RankParser(prog="host_allreduce.py", quiet=quiet, description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size in bytes, K/M/G suffixes (default 8)")
-    p.add_argument("-e", "--maxbytes", default="256M", help="largest size in bytes (default 256M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between rows (default 2)")
-    p.add_argument("-n", "--iters", type=int, default=50, help="timed iterations per row (default 50)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per row (default 5)")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=2.0,
-        help="seconds one timed loop may take; slow sizes get fewer iterations, at least 3 (default 2; 0: never)",
-    )
-    p.add_argument("--check", type=int, default=1, choices=(0, 1), help="check the results (default 1)")
+    add_sweep_options(p, maxbytes="256M", iters=50, time_budget=2.0)
     return p
 
 
@@ -53,14 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(quiet)
     try:
         args = parser.parse_args(argv)
-        sweep = sizes.sweep_sizes(sizes.parse_size(args.minbytes), sizes.parse_size(args.maxbytes), args.stepfactor)
-        settings = Settings(
-            iters=args.iters,
-            warmup=args.warmup_iters,
-            check=bool(args.check),
-            stat="median",
-            time_budget=args.time_budget,
-        )
+        sweep, settings = sweep_settings(args)
     except Exit as e:
         return e.code
     except (UsageError, ValueError) as e:

@@ -28,25 +28,15 @@ from typing import Any
 import numpy as np
 
 from ringcomm.bench import env, report, sizes
-from ringcomm.bench.cli import Exit, Out, RankParser, UsageError
+from ringcomm.bench.cli import Exit, Out, RankParser, UsageError, add_sweep_options, sweep_settings
 from ringcomm.bench.impls import Prepared, RingcommImpl
-from ringcomm.bench.runner import Runner, Settings, Watchdog
+from ringcomm.bench.runner import Runner, Watchdog
 from ringcomm.ops import ReduceOp
 
 
 def build_parser(quiet: bool) -> RankParser:
     p = RankParser(prog="torch_allreduce.py", quiet=quiet, description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size in bytes, K/M/G suffixes (default 8)")
-    p.add_argument("-e", "--maxbytes", default="64M", help="largest size in bytes (default 64M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between rows (default 2)")
-    p.add_argument("-n", "--iters", type=int, default=30, help="timed iterations per row (default 30)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per row (default 5)")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=1.0,
-        help="seconds one timed loop may take; slow sizes get fewer iterations, at least 3 (default 1; 0: never)",
-    )
+    add_sweep_options(p, maxbytes="64M", iters=30, time_budget=1.0)
     p.add_argument(
         "-r",
         "--rounds",
@@ -54,7 +44,6 @@ def build_parser(quiet: bool) -> RankParser:
         default=1,
         help="measure every backend this many times, interleaved, and keep each one's fastest (default 1)",
     )
-    p.add_argument("--check", type=int, default=1, choices=(0, 1), help="check the results (default 1)")
     p.add_argument("--no-gloo", action="store_true", help="leave Gloo out")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's)")
     return p
@@ -93,15 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(quiet)
     try:
         args = parser.parse_args(argv)
-        sweep = sizes.sweep_sizes(sizes.parse_size(args.minbytes), sizes.parse_size(args.maxbytes), args.stepfactor)
-        settings = Settings(
-            iters=args.iters,
-            warmup=args.warmup_iters,
-            check=bool(args.check),
-            stat="median",
-            time_budget=args.time_budget,
-            rounds=args.rounds,
-        )
+        sweep, settings = sweep_settings(args, rounds=args.rounds)
     except Exit as e:
         return e.code
     except (UsageError, ValueError) as e:
