@@ -103,20 +103,27 @@ class Launches:
         return self.failed(item) or (len(got) == _nprocs(item) and all("teardown" in phases for phases in got.values()))
 
     def run(self, item: pytest.Item) -> None:
-        """Launch the tests of ``item``'s group not run yet, until ``item`` has its reports. A launch
-        that dies (a crash, an abort, the time limit) fails the test it was in; the tests it never
-        started run in the next launch."""
+        """Launch the tests of ``item``'s group not run yet, until ``item`` has its reports. A failure
+        aborts the launch: the tests after it (some ranks may have begun the next one) run again in
+        a new launch. A launch that ends inside a test with no failure reported (a crash, the time
+        limit) fails that test; one that ends after its last test with an error fails the last."""
         while not self.done(item):
             todo = [i for i in self.groups[_group(item)] if not self.done(i)]
-            for i in todo:  # (nothing of an earlier launch that died is mixed into this one's)
+            for i in todo:  # (nothing of an earlier launch is mixed into this one's)
                 self.reports.pop(i.nodeid, None)
             self.count += 1
             status, output = self._launch(todo, Path(self.folder.name) / f"launch{self.count}")
-            unfinished = [i for i in todo if i.nodeid in self.reports and not self.done(i)]
-            if status != 0 and not any(self.failed(i) for i in todo) and not unfinished:
-                unfinished = [i for i in todo if i.nodeid in self.reports][-1:] or todo[:1]
-            for i in unfinished:  # it started, and no rank reported a failure: the launch died in it
-                self._fail(i, f"the launch ended while it ran, with no failure reported:\n{output}")
+            failed = [k for k, i in enumerate(todo) if self.failed(i)]
+            if failed:
+                for i in todo[failed[0] + 1 :]:  # cut short by the failure's abort: not theirs to report
+                    if not self.failed(i):
+                        self.reports.pop(i.nodeid, None)
+            else:
+                died = [i for i in todo if i.nodeid in self.reports and not self.done(i)]
+                if status != 0 and not died and all(self.done(i) for i in todo):
+                    died = todo[-1:]  # every test done, then an error (in MPI_Finalize, say)
+                for i in died:
+                    self._fail(i, f"the launch ended while it ran, with no failure reported:\n{output}")
             if not self.done(todo[0]):  # the launch ran nothing at all: no retry would do better
                 self._fail(todo[0], f"the launch did not run it:\n{output}")
 
