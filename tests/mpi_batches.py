@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 from pytest_mpi.plugin import MPIImplementation, detect_mpi_implementation
+from pytest_mpi.plugin import _extract_nprocs_for_single_test as _nprocs  # the rank count mpi-pytest gave it
 
 #: each rank of a launch appends its reports here (a folder), set by the launching process
 REPORTS = "RINGCOMM_TEST_REPORTS"
@@ -50,22 +51,10 @@ def batched(item: pytest.Item) -> bool:
     return _enabled() and item.get_closest_marker("parallel") is not None and _nprocs(item) > 1
 
 
-def _nprocs(item: pytest.Item) -> int:
-    if hasattr(item, "callspec") and "_nprocs" in item.callspec.params:
-        return item.callspec.params["_nprocs"]
-    (n,) = _as_tuple(item.get_closest_marker("parallel"))
-    return n
-
-
 def _group(item: pytest.Item) -> tuple[str, int]:
     """The launch a test joins: the one of its rank count, or its own when marked ``alone``."""
     where = item.nodeid if item.get_closest_marker("alone") is not None else ""
     return where, _nprocs(item)
-
-
-def _as_tuple(marker) -> tuple[int, ...]:
-    arg = marker.args[0] if marker.args else marker.kwargs.get("nprocs", 3)
-    return tuple(arg) if isinstance(arg, (list, tuple)) else (arg,)
 
 
 def _mpiexec(n: int, env: dict[str, str], argv: list[str], quiet: list[str]) -> list[str]:
@@ -167,7 +156,7 @@ _KEY = pytest.StashKey[Launches]()
 
 def runtest_setup(item: pytest.Item) -> None:
     """After mpi-pytest's own setup (which points the test at its mpiexec launch): point it at ours."""
-    if not _enabled() or item.get_closest_marker("parallel") is None or _nprocs(item) == 1:
+    if not batched(item):
         return
     stash = item.session.stash
     if _KEY not in stash:  # the session's final list of tests (after -k, -m and the like)
