@@ -424,6 +424,92 @@ template <typename T> union Vec16 {
 
 RC_HD u64 addr(const void* p) { return (u64)p; }
 
+// ------------------------------------------------ ordering between processes (the ring executor)
+// Every load, store and read-modify-write of a word another process (or another block) may touch
+// at the same time goes through these, never through plain or volatile accesses: on the GPU they
+// are PTX at system scope (the other process may be on another GPU, or the host); in the host
+// emulation they are std::atomic_ref with the same orderings (ThreadSanitizer understands them) and
+// a steady clock. Producer: data, then st_release (its release covers the block's writes ordered
+// before it by a block barrier). Consumer: ld_acquire of the flag, then (after a block barrier) data.
+#ifdef RC_HOST_EMULATION
+}  // namespace rc
+#include <atomic>
+#include <chrono>
+#include <thread>
+namespace rc {
+// tests/test_ring_kernel.py builds the harness with one of these to show that ThreadSanitizer
+// catches a missing acquire or release (never defined anywhere else).
+#if defined(RC_TEST_RELAXED_ACQUIRE)
+constexpr std::memory_order RC_ACQ = std::memory_order_relaxed;
+#else
+constexpr std::memory_order RC_ACQ = std::memory_order_acquire;
+#endif
+#if defined(RC_TEST_RELAXED_RELEASE)
+constexpr std::memory_order RC_REL = std::memory_order_relaxed;
+#else
+constexpr std::memory_order RC_REL = std::memory_order_release;
+#endif
+inline u64 ld_acquire(const u64* p) { return std::atomic_ref<u64>(*const_cast<u64*>(p)).load(RC_ACQ); }
+inline u64 ld_relaxed(const u64* p) {
+  return std::atomic_ref<u64>(*const_cast<u64*>(p)).load(std::memory_order_relaxed);
+}
+inline void st_release(u64* p, u64 v) { std::atomic_ref<u64>(*p).store(v, RC_REL); }
+inline void st_relaxed(u64* p, u64 v) { std::atomic_ref<u64>(*p).store(v, std::memory_order_relaxed); }
+// compare-and-swap, acquire and release: true when *p was ``expected`` and is now ``desired``
+inline bool cas(u64* p, u64 expected, u64 desired) {
+  return std::atomic_ref<u64>(*p).compare_exchange_strong(expected, desired, std::memory_order_acq_rel);
+}
+inline u64 clock_ns() {
+  return (u64)std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+// A spinning thread lets the others run: the emulation has far fewer cores than a GPU has SMs, and
+// shares them with the ranks' host threads (a long wait sleeps between looks).
+inline void spin_pause(u64 spins) {
+  if (spins < 64) std::this_thread::yield();
+  else std::this_thread::sleep_for(std::chrono::microseconds(20));
+}
+#else
+__device__ __forceinline__ u64 ld_acquire(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_relaxed(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(u64* p, u64 v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ bool cas(u64* p, u64 expected, u64 desired) {
+  u64 old;
+  asm volatile("atom.acq_rel.sys.cas.b64 %0, [%1], %2, %3;"
+               : "=l"(old)
+               : "l"(p), "l"(expected), "l"(desired)
+               : "memory");
+  return old == expected;
+}
+__device__ __forceinline__ u64 clock_ns() {  // %globaltimer: nanoseconds, the same on every SM
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Spin freely at first (a neighbour a step behind answers within microseconds), then sleep a
+// little between looks so that a long wait leaves the memory system to the others.
+__device__ __forceinline__ void spin_pause(u64 spins) {
+  if (spins > 2048) __nanosleep(256);
+}
+#endif
+
+// ``counter`` (which only grows) has reached ``want``: a comparison that survives wrap-around.
+RC_HD bool reached(u64 counter, u64 want) { return (long long)(counter - want) >= 0; }
+
 }  // namespace rc
 
 #endif  // RINGCOMM_COMMON_CUH

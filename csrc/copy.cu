@@ -5,6 +5,8 @@
 // The word is the widest of 16, 8, 4, 2, 1 bytes at which dst and src have the same offset; a
 // scalar byte head reaches the word boundary, the body moves words (RC_UNROLL in flight per
 // thread, grid-stride) and a byte tail ends it. Launch: any grid of RC_BLOCK-thread blocks.
+#ifndef RINGCOMM_COPY_CU
+#define RINGCOMM_COPY_CU
 #include "common.cuh"
 
 namespace rc {
@@ -47,10 +49,12 @@ RC_HD void copy_thread(u64 tid, u64 nthreads, unsigned char* dst, const unsigned
 
 }  // namespace rc
 
-#ifndef RC_HOST_EMULATION
+// (RC_NO_ENTRY_POINTS: only the device functions, for a file that includes this one: ring.cu)
+#if !defined(RC_HOST_EMULATION) && !defined(RC_NO_ENTRY_POINTS)
 extern "C" __global__ void __launch_bounds__(RC_BLOCK)
     ringcomm_copy(unsigned char* dst, const unsigned char* src, unsigned long long nbytes) {
   rc::copy_thread((rc::u64)blockIdx.x * blockDim.x + threadIdx.x, (rc::u64)gridDim.x * blockDim.x, dst,
                   src, nbytes);
 }
 #endif
+#endif  // RINGCOMM_COPY_CU

@@ -11,6 +11,8 @@
 // them in flight per operand and thread, grid-stride), and the last < 16 bytes are a scalar tail.
 // Pointers with different offsets modulo 16 take a plain scalar grid-stride loop.
 // Launch: any grid of RC_BLOCK-thread blocks (the launcher sizes it from the SM count).
+#ifndef RINGCOMM_REDUCE_CU
+#define RINGCOMM_REDUCE_CU
 #include "common.cuh"
 
 namespace rc {
@@ -70,7 +72,8 @@ RC_HD void reduce_thread(u64 tid, u64 nthreads, T* dst, const T* a, const T* b, 
 
 }  // namespace rc
 
-#ifndef RC_HOST_EMULATION
+// (RC_NO_ENTRY_POINTS: only the device functions, for a file that includes this one: ring.cu)
+#if !defined(RC_HOST_EMULATION) && !defined(RC_NO_ENTRY_POINTS)
 #define RC_REDUCE_ENTRY(OPNAME, OP, SUFFIX, T)                                                    \
   extern "C" __global__ void __launch_bounds__(RC_BLOCK, RC_MIN_BLOCKS) ringcomm_reduce_##OPNAME##_##SUFFIX(    \
       T* dst, const T* a, const T* b, unsigned long long n, int use_div, double div) {          \
@@ -97,3 +100,4 @@ RC_REDUCE_OPS(u32, unsigned int)
 RC_REDUCE_OPS(i64, long long)
 RC_REDUCE_OPS(u64, unsigned long long)
 #endif
+#endif  // RINGCOMM_REDUCE_CU

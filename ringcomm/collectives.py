@@ -187,7 +187,12 @@ def all_reduce(
     shared = comm._shared if kind == "host" else None
     if comm._via_host(kind, src.nbytes):
         _through_host(comm, ctx, count, src, 0, work, partial(all_reduce, comm, op=op, accumulate=accumulate))
-    elif 1 < n and src.nbytes <= comm._small(kind) and (shared is None or src.nbytes <= shared.small):
+    elif (
+        1 < n
+        and src.nbytes <= comm._small(kind)
+        and (shared is None or src.nbytes <= shared.small)
+        and (kind == "host" or not comm._transport(kind).kernel)
+    ):
         # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
         # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result).
         # With a window, what its slots cannot hold goes to its inbox (Communicator._run) or the

@@ -232,6 +232,8 @@ class Communicator:
         #: watchdog found after a call returned (raised by the next call or check_errors())
         self._handshakes: dict[int, Any] = {}
         self._late_error: BaseException | None = None
+        #: RINGCOMM_TRANSPORT=kernel: the ring executor by device (ringcomm.executor), made on first use
+        self._executors: dict[int, Any] = {}
         self._ready = True
 
     # ------------------------------------------------------------------ the collectives
@@ -255,10 +257,13 @@ class Communicator:
 
         With ``RINGCOMM_TRANSPORT=ipc-stream`` a call returns once its steps are queued; a peer that
         then does not advance is noticed by a watchdog thread, which releases the waiting streams
-        and records a :class:`ringcomm.TimeoutError` (collective, step, this rank, the peer). That
-        error is raised here, or by the next call, and the communicator is aborted (the neighbours
-        are told). Without such an error this returns None.
+        and records a :class:`ringcomm.TimeoutError` (collective, step, this rank, the peer). With
+        ``RINGCOMM_TRANSPORT=kernel`` the call's kernel itself records a failure (a timeout, an abort
+        by a neighbour, a neighbour's different call) in pinned host memory and returns. That error
+        is raised here, or by the next call, and the communicator is aborted (the neighbours are
+        told). Without such an error this returns None.
         """
+        self._poll_executors()
         error = self._late_error
         if error is not None and not self._aborted:
             self._abort(error)
@@ -322,6 +327,9 @@ class Communicator:
         for hs in self._handshakes.values():
             hs.close()
         self._handshakes.clear()
+        for ex in self._executors.values():
+            ex.close()
+        self._executors.clear()
         self._transports.clear()
         for reused in self._scratch.values():
             reused.free()
@@ -397,14 +405,16 @@ class Communicator:
     def _via_host(self, kind: str, nbytes: int) -> bool:
         """Whether a collective of ``nbytes`` (the whole buffer: x, or all_gather's out) of ``kind``
         arrays goes through the host (collectives._through_host): GPU arrays up to the agreed
-        small_bytes whose ring waits on the host anyway, no edge ipc-stream (whose calls only queue
-        their steps on the GPU and return; as chosen at set-up, the same on every rank, where
+        small_bytes whose ring waits on the host anyway, no edge ipc-stream or kernel (whose calls only
+        queue their steps on the GPU and return; as chosen at set-up, the same on every rank, where
         current() shows this rank's own fallbacks), on 2 or more ranks."""
+        edges = self._transport(kind).edges if kind != "host" else ()
         return (
             kind != "host"
             and 1 < self.size
             and nbytes <= self._gpu_small
-            and "ipc-stream" not in self._transport(kind).edges
+            and "ipc-stream" not in edges
+            and "kernel" not in edges
         )
 
     def _device(self, kind: str, stream: Any) -> Any:
@@ -426,7 +436,27 @@ class Communicator:
     def _scratch_done(self, kind: Any, device: Any) -> None:
         self._scratch[kind].done(device)
 
+    def _poll_executors(self) -> None:
+        """Take the first failure a ring kernel recorded as the late error (ringcomm.executor)."""
+        if self._late_error is None:
+            for ex in self._executors.values():
+                error = ex.failure()
+                if error is not None:
+                    self._late_error = error
+                    return
+
+    def _executor(self, device: Any) -> Any:
+        """The ring executor on ``device``'s GPU (made on first use: collective)."""
+        ex = self._executors.get(device.device_id)
+        if ex is None:
+            from .executor import RingExecutor
+
+            ex = self._executors[device.device_id] = self._guarded(lambda: RingExecutor(self, device))
+        return ex
+
     def _usable(self) -> None:
+        if self._executors:
+            self._poll_executors()
         if self._late_error is not None:
             self.check_errors()
         if self._aborted:
@@ -588,8 +618,17 @@ class Communicator:
         :class:`ringcomm.engine.DirectPlan` instead (2 rounds of direct messages, bitwise the
         ring's result; a reduce-scatter its first round alone). With ``ctx.wide``
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
-        (``ctx.acc``) for the call, and the engine's loop runs."""
+        (``ctx.acc``) for the call, and the engine's loop runs. GPU arrays on a ring whose every edge
+        is "kernel" (RINGCOMM_TRANSPORT=kernel) run as one kernel (ringcomm.executor), but with
+        ``ctx.wide``."""
         link = self._transport(kind)
+        if kind != "host" and link.kernel and not ctx.wide:  # one kernel runs every step (ringcomm.executor)
+            run = self._executor(ctx.device).run
+            algorithm = f"{_schedule_name(ctx)} (one kernel)"
+            self._launch(
+                ctx, count, root, agreed, algorithm, link, len(steps), run, steps, bounds, work, src, result_chunks
+            )
+            return None
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
         elif (plan := self._window_plan(ctx, kind, count, steps, bounds, root)) is not None:

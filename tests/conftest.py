@@ -255,7 +255,7 @@ def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
     lib = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
     build = [
         CXX,
-        "-std=c++17",
+        "-std=c++20",
         "-O2",
         "-ffp-contract=off",
         "-shared",

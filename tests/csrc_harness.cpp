@@ -1,7 +1,12 @@
-// Host emulation of ringcomm's kernels, for tests/test_csrc_host.py (built with the host C++
-// compiler; no GPU, no nvcc). Each kernel body in csrc/ is a __host__ __device__ function of
-// (thread index, thread count); here every "thread" of a grid runs in turn, which is exact for
-// these kernels (threads touch disjoint elements and never synchronise). What differs from the GPU:
+// Host emulation of ringcomm's kernels, for tests/test_csrc_host.py and the emulated GPU
+// (tests/emulated/cupy; built with the host C++ compiler; no GPU, no nvcc). Each kernel body in
+// csrc/ is a __host__ __device__ function of (thread index, thread count); here every "thread" of a
+// grid runs in turn, which is exact for these kernels (threads touch disjoint elements and never
+// synchronise). The ring executor (csrc/ring.cu, rc_ring_block below) does synchronise: its blocks
+// wait on each other's counters, so each block runs on an OS thread of its own, all at once, and a
+// block's threads advance phase by phase between its barriers (ring.cu: RC_THREADS); its ordering
+// primitives are common.cuh's std::atomic_ref ones (tests/ring_selftest.cpp runs it under
+// ThreadSanitizer). What differs from the GPU:
 // the 16-bit conversions use the integer code paths of common.cuh instead of PTX cvt, and the PTX
 // wrappers of common.cuh (f32_*, rn_*, fp_cast) are the plain IEEE operations they stand for (build
 // with -ffp-contract=off so that the host compiler does not fuse them either).
@@ -13,26 +18,11 @@
 // and float <-> double casts), and a product followed by an add or subtract is fused into one FMA
 // (float and double), as nvvm does (of a*b + c*d it fuses a*b). The PTX wrappers of common.cuh keep
 // IEEE semantics there, as on the GPU: a kernel written only with them gives the same bits either way.
-#define RC_HOST_EMULATION 1
-#define __host__
-#define __device__
-#define __forceinline__ inline
-#include <math.h>
-
-static unsigned long long misaligned_accesses = 0;
-void rc_check_aligned(const void* p, unsigned long long bytes) {
-  if ((unsigned long long)p % bytes) ++misaligned_accesses;
-}
-
-struct alignas(16) uint4 {
-  unsigned x, y, z, w;
-};
-struct alignas(8) uint2 {
-  unsigned x, y;
-};
+#include "csrc_host.h"
 
 #include "../csrc/reduce.cu"
 #include "../csrc/copy.cu"
+#include "../csrc/ring.cu"
 
 #ifdef RC_HOST_CUPY_OPTIONS
 namespace nvrtc_model {
@@ -207,11 +197,27 @@ void run_adam(void* p, const void* g, void* m, void* v, void* out, u64 n, const 
 
 extern "C" {
 
+// One block (channel) of csrc/ring.cu's ring executor, run to its end on the calling thread; every
+// block of every rank must run at once, each on its own thread (tests/emulated/cupy starts them).
+// op: 0 sum, 1 prod, 2 min, 3 max. -1 for a bad dtype or op.
+int rc_ring_block(int dtype, int op, unsigned channel, unsigned channels, const long long* table, int nsteps,
+                  int nchunks, void* work, const void* src, u64* mine, u64* left, u64* right, u64* err, u64 sig,
+                  u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div, double div) {
+  if (op < 0 || op > 3) return -1;
+  const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, mine, left, right,
+                       err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, channel, channels};
+  return by_dtype(dtype, [&](auto x) {
+    typedef decltype(x) T;
+    if (op == 0) rc::ring_block<T, rc::OpSum>(a, (u64)place);
+    if (op == 1) rc::ring_block<T, rc::OpProd>(a, (u64)place);
+    if (op == 2) rc::ring_block<T, rc::OpMin>(a, (u64)place);
+    if (op == 3) rc::ring_block<T, rc::OpMax>(a, (u64)place);
+  });
+}
+
 // Vector accesses found misaligned since the last call (reset to 0 by each call).
 unsigned long long rc_host_misaligned() {
-  unsigned long long n = misaligned_accesses;
-  misaligned_accesses = 0;
-  return n;
+  return misaligned_accesses.exchange(0, std::memory_order_relaxed);
 }
 
 // op: 0 sum, 1 prod, 2 min, 3 max

@@ -76,12 +76,21 @@ def _cases(xp, r: int, n: int) -> dict:
     }
 
 
+def settle(comm, xp) -> None:
+    """What a GPU user does after calls that return before their work is done (RINGCOMM_TRANSPORT=
+    ipc-stream or kernel): wait for the stream, then ask for the errors the GPU recorded."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+        comm.check_errors()
+
+
 def run_case(name: str, call, timeout: float, xp) -> dict:
     comm = ringcomm.Communicator(WORLD, timeout=timeout)
     comm.all_reduce(xp.ones(64, xp.float32))  # a good call first
     t0 = time.monotonic()
     try:
         call(comm)
+        settle(comm, xp)
         rec = {"outcome": "returned", "message": ""}
     except ringcomm.RingcommError as e:
         rec = {"outcome": type(e).__name__, "message": str(e), "origin": getattr(e, "origin", None)}
@@ -106,6 +115,7 @@ def run_stuck(timeout: float, xp) -> dict:
     t0 = time.monotonic()
     try:
         comm.all_reduce(x)
+        settle(comm, xp)
         rec = {"outcome": "returned", "message": ""}
     except ringcomm.RingcommError as e:
         rec = {"outcome": type(e).__name__, "message": str(e), "origin": getattr(e, "origin", None)}

@@ -34,7 +34,7 @@ NVCC = _nvcc()
 
 def test_sources_present():
     names = {p.name for p in SOURCES}
-    assert {"reduce.cu", "copy.cu", "optimizer.cu", "accumulate.cu"} <= names
+    assert {"reduce.cu", "copy.cu", "optimizer.cu", "accumulate.cu", "ring.cu"} <= names
     assert (CSRC / "common.cuh").is_file()
 
 
@@ -42,12 +42,26 @@ def test_sources_present():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_compiles(source: Path, arch: str, tmp_path: Path):
+    defines = []
+    if source.name == "ring.cu":
+        # ring.cu's 48 kernels take nvcc 40 s per arch; the loader compiles them one at a time (NVRTC,
+        # RC_RING_ONE_ENTRY), and their code differs only by the element type and the op functor
+        # (reduce.cu compiles every pair): every dtype with sum, and every op with f32
+        from ringcomm.devices import cuda
+
+        names = {f"ringcomm_ring_sum_{s}" for s in cuda.SUFFIX.values()}
+        names |= {f"ringcomm_ring_{op}_f32" for op in ("prod", "min", "max")}
+        entries = "".join(cuda.ring_entry(name) for name in sorted(names))
+        source = tmp_path / "ring_entries.cu"
+        source.write_text('#include "ring.cu"\n' + entries)
+        defines = ["-DRC_RING_ONE_ENTRY"]
     cmd = [
         NVCC,
         "-std=c++17",
         f"-arch={arch}",
         "-I",
         str(CSRC),
+        *defines,
         "-Werror",
         "all-warnings",
         "-c",
@@ -116,6 +130,10 @@ def test_entry_points_match_the_loader():
         assert f"RC_REDUCE_OPS({suffix}," in text["reduce.cu"], name
         assert f"RC_REDUCE_ENTRY({op}," in text["reduce.cu"], name
     assert "ringcomm_copy(" in text["copy.cu"]
+    for suffix, ctype in cuda._C_TYPES.items():  # ring.cu: one kernel per op and dtype, compiled one at a time
+        assert f"RC_RING_OPS({suffix}, {ctype})" in text["ring.cu"], suffix
+    for op in ("sum", "prod", "min", "max"):
+        assert f"RC_RING_ENTRY({op}, rc::Op{op.capitalize()}, SUFFIX, T)" in text["ring.cu"], op
     acc = text["accumulate.cu"]
     for name in cuda.accumulate_kernel_names():
         parts = name.split("_")
@@ -134,10 +152,11 @@ def test_entry_points_match_the_loader():
 
 
 def test_loader_inlines_the_header():
-    """What NVRTC gets: the kernel file with common.cuh pasted in, no #include left."""
+    """What NVRTC gets: the kernel file with common.cuh (and ring.cu's other files) pasted in, no
+    #include "..." left."""
     from ringcomm.devices import cuda
 
     for source in SOURCES:
         code = cuda.kernel_source(source.name)
-        assert not re.search(r"^\s*#\s*include", code, re.M), source.name
+        assert not re.search(r'^\s*#\s*include\s*"', code, re.M), source.name  # (<atomic>: host emulation only)
         assert "RINGCOMM_COMMON_CUH" in code

@@ -60,7 +60,7 @@ def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
     out = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
     cmd = [
         CXX,
-        "-std=c++17",
+        "-std=c++20",
         "-O1",
         "-ffp-contract=off",
         "-shared",

@@ -30,8 +30,11 @@ def _env(device: str, request) -> dict:
     """The environment of the MPI job: the emulated GPU's for device "gpu" (or the real GPU's)."""
     if shutil.which("mpiexec") is None:
         pytest.skip("no mpiexec")
-    if device == "gpu":
-        return request.getfixturevalue("emulated_gpu_env")
+    if device in ("gpu", "gpu-kernel"):
+        env = dict(request.getfixturevalue("emulated_gpu_env"))
+        if device == "gpu-kernel":  # every collective one kernel (ringcomm.executor): errors at the next sync
+            env["RINGCOMM_TRANSPORT"] = "kernel"
+        return env
     return {k: v for k, v in os.environ.items() if k != "RINGCOMM_TRANSPORT"}
 
 
@@ -44,7 +47,7 @@ def _matrix(env: dict, n: int, device: str, tmp_path) -> dict:
         "python",
         str(ROOT / "tests" / "fault_matrix.py"),
         "--device",
-        device,
+        device.split("-")[0],
         "--timeout",
         str(TIMEOUT),
         "--json",
@@ -55,7 +58,7 @@ def _matrix(env: dict, n: int, device: str, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("device", ["host", "gpu"])
+@pytest.mark.parametrize("device", ["host", "gpu", "gpu-kernel"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_rank_raises_and_says_why(n, device, request, tmp_path):
     env = _env(device, request)

@@ -154,7 +154,7 @@ def kernel_on_host(tmp_path_factory):
     done = subprocess.run(
         [
             cxx,
-            "-std=c++17",
+            "-std=c++20",
             "-O1",
             "-ffp-contract=off",
             "-shared",

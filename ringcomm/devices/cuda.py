@@ -57,7 +57,7 @@ ADAM_MASTER_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 ADAM_GRAD_DTYPES = FLOAT_DTYPES
 ADAM_OUT_DTYPES = FLOAT_DTYPES
 
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"common\.cuh"[ \t]*$', re.M)
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([\w.]+)"[ \t]*$', re.M)
 
 
 def reduce_kernel_names() -> list[str]:
@@ -107,16 +107,21 @@ def _csrc_text(name: str) -> str:
 
 @functools.cache
 def kernel_source(name: str) -> str:
-    """csrc/<name> with csrc/common.cuh pasted in place of its #include (what NVRTC compiles).
+    """csrc/<name> with the csrc files it includes pasted in place of their #include, each once
+    (as their include guards would have it): what NVRTC compiles.
 
     Pasting (rather than an include path) keeps CuPy's cache key, which hashes the source text,
-    correct when the header changes.
+    correct when an included file changes.
     """
-    text = _csrc_text(name)
-    header = _csrc_text("common.cuh")
-    code, count = _INCLUDE.subn(lambda _m: header, text)
-    if count != 1:
-        raise RuntimeError(f"csrc/{name} must include common.cuh exactly once (found {count})")
+    pasted: set[str] = set()
+
+    def paste(file: str) -> str:
+        pasted.add(file)
+        return _INCLUDE.sub(lambda m: "" if m[1] in pasted else paste(m[1]), _csrc_text(file))
+
+    code = paste(name)
+    if "common.cuh" not in pasted:
+        raise RuntimeError(f"csrc/{name} must include common.cuh")
     return code
 
 
@@ -141,8 +146,41 @@ NVRTC_FIX = (
 )
 
 
+#: csrc/ring.cu's kernels are compiled one at a time (48 of them take NVRTC about 40 s): the C type
+#: of each dtype suffix, for the one RC_RING_ENTRY line added to the file's text
+_C_TYPES = {
+    "f16": "rc::half_t",
+    "bf16": "rc::bf16_t",
+    "f32": "float",
+    "f64": "double",
+    "i8": "signed char",
+    "u8": "unsigned char",
+    "i16": "short",
+    "u16": "unsigned short",
+    "i32": "int",
+    "u32": "unsigned int",
+    "i64": "long long",
+    "u64": "unsigned long long",
+}
+
+
+def _module_source(file: str, name: str) -> tuple[str, str, tuple[str, ...]]:
+    """(module key, code, options) of the module that holds kernel ``name`` of csrc/<file>: the whole
+    file, but for ring.cu only the entry ``ringcomm_ring_<op>_<suffix>`` (RC_RING_ONE_ENTRY)."""
+    if file != "ring.cu":
+        return file, kernel_source(file), NVRTC_OPTIONS
+    return name, kernel_source(file) + "\n" + ring_entry(name), NVRTC_OPTIONS + ("-DRC_RING_ONE_ENTRY",)
+
+
+def ring_entry(name: str) -> str:
+    """The line of csrc/ring.cu that defines kernel ``ringcomm_ring_<op>_<suffix>``."""
+    op, suffix = name.split("_")[2:4]
+    return f"RC_RING_ENTRY({op}, rc::Op{op.capitalize()}, {suffix}, {_C_TYPES[suffix]})\n"
+
+
 def kernel(file: str, name: str) -> Any:
-    """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC).
+    """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC; ring.cu:
+    that kernel alone).
 
     A compilation that fails (no NVRTC library, no CUDA headers) raises RuntimeError saying how
     to install what is missing.
@@ -150,10 +188,11 @@ def kernel(file: str, name: str) -> Any:
     k = _kernels.get(name)
     if k is None:
         cp = _require_cupy()
+        key, code, options = _module_source(file, name)
         with _lock:
-            mod = _modules.get(file)
+            mod = _modules.get(key)
             if mod is None:
-                mod = _modules[file] = cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
+                mod = _modules[key] = cp.RawModule(code=code, options=options)
             try:
                 k = _kernels[name] = mod.get_function(name)  # CuPy compiles here, on first use
             except Exception as e:  # noqa: BLE001 - CuPy raises RuntimeError, CompileException, ...

@@ -46,8 +46,9 @@ from .mpi import Exchange, MpiRecv, MpiSend, PreparedStep
 log = logging.getLogger("ringcomm")
 
 #: the names RINGCOMM_TRANSPORT accepts ("ipc-stream": IPC with the step handshake on the GPU's
-#: streams; chosen only when asked for, until it has run on a GPU)
-NAMES = ("mpi", "ipc", "staged", "ipc-stream")
+#: streams; "kernel": a ring of IPC edges runs each collective as one kernel, ringcomm.executor;
+#: both chosen only when asked for, until they have run on a GPU)
+NAMES = ("mpi", "ipc", "staged", "ipc-stream", "kernel")
 #: peer GPUs a record can list (the GPUs of one node that this rank's GPU can access)
 MAX_PEERS = 16
 
@@ -106,7 +107,8 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
     ends' MPI takes device buffers; else staging through host memory. ``forced`` (RINGCOMM_TRANSPORT)
     takes that transport on every edge it can serve: "staged" on all, "ipc" where IPC can, "mpi"
     on all (ValueError where an end's MPI is not CUDA-aware), "ipc-stream" where IPC can and both
-    ends' GPUs run stream memory operations (else "ipc" there; the ranks warn).
+    ends' GPUs run stream memory operations (else "ipc" there; the ranks warn), "kernel" where IPC
+    can (its halves are ipc's, for the calls the executor does not run).
     """
     ipc = sender.node == receiver.node and (sender.gpu == receiver.gpu or sender.gpu in receiver.peers)
     aware = sender.aware and receiver.aware
@@ -119,6 +121,8 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
         return forced
     if ipc and forced == "ipc-stream" and sender.streamops and receiver.streamops:
         return "ipc-stream"
+    if ipc and forced == "kernel":
+        return "kernel"
     return "ipc" if ipc else "mpi" if aware else "staged"
 
 
@@ -126,14 +130,18 @@ def choose_edges(records: Sequence[PeerRecord], ring: Sequence[int]) -> tuple[st
     """Every edge's transport, by ring place p (the edge ring[p-1] -> ring[p]).
 
     ``records``: one per rank, in MPI rank order. Raises MismatchError (on every rank alike) when
-    the ranks were given different RINGCOMM_TRANSPORT values."""
+    the ranks were given different RINGCOMM_TRANSPORT values. "kernel" edges stay so only where the
+    whole ring is (ringcomm.executor runs whole rings); in a ring with other edges they are "ipc"."""
     forced = {r.forced for r in records}
     if len(forced) > 1:
         values = ", ".join(f"rank {i}: {r.forced or '(unset)'}" for i, r in enumerate(records))
         raise MismatchError(f"the ranks disagree on RINGCOMM_TRANSPORT ({values})")
     force = forced.pop() if forced else ""
     n = len(ring)
-    return tuple(edge_kind(records[ring[p - 1]], records[ring[p]], force) for p in range(n))
+    edges = tuple(edge_kind(records[ring[p - 1]], records[ring[p]], force) for p in range(n))
+    if "kernel" in edges and set(edges) != {"kernel"}:  # the executor runs whole rings only: the rest is ipc
+        edges = tuple("ipc" if e == "kernel" else e for e in edges)
+    return edges
 
 
 def describe_edges(ring: Sequence[int], edges: Sequence[str]) -> str:
@@ -156,8 +164,15 @@ class Link:
     def __init__(self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...]) -> None:
         self.comm, self.recv, self.send, self.edges = comm, recv, send, edges
 
+    @property
+    def kernel(self) -> bool:
+        """Whether the ring executor runs this ring's collectives: every edge "kernel", two ranks or more."""
+        return len(self.edges) > 1 and all(edge == "kernel" for edge in self.edges)
+
     def current(self) -> tuple[str, ...]:
         """``edges`` with this rank's two edges as its halves now say (after an IPC fallback)."""
+        if set(self.edges) == {"kernel"}:  # (its halves are ipc's, for the calls the executor does not run)
+            return self.edges
         edges, p = list(self.edges), self.comm.position
         edges[p], edges[(p + 1) % len(edges)] = self.recv.name, self.send.name
         return tuple(edges)
@@ -204,7 +219,7 @@ class Link:
 
 
 def _halves(comm: Any, name: str) -> tuple[type, type, tuple]:
-    if name == "ipc":
+    if name in ("ipc", "kernel"):
         from .ipc import IpcRecv, IpcSend
 
         return IpcRecv, IpcSend, ()

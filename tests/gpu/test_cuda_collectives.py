@@ -1,6 +1,7 @@
 """Every collective, op and dtype on CuPy arrays, N = 1, 2, 4 ranks sharing one GPU (skipped without one).
 
-Each GPU transport in turn (CUDA IPC, staged, and CUDA-aware MPI where the library is), against
+Each GPU transport in turn (CUDA IPC, staged, ipc-stream, the one-kernel executor, and CUDA-aware MPI
+where the library is), against
 float64 host references (tests/conftest.py), with poisoned outputs, odd counts, views that start at
 element 1 (so IPC exports an offset inside a pool block), bitwise agreement across ranks, and
 bitwise agreement with the host path on the same data. One mpiexec launch per N loops over all.
@@ -44,7 +45,7 @@ def _use_local_gpu() -> None:
 
 
 def transports() -> list[str]:
-    names = ["ipc", "staged", "ipc-stream"]
+    names = ["ipc", "staged", "ipc-stream", "kernel"]
     if staged.cuda_aware_mpi():
         names.append("mpi")
     return names

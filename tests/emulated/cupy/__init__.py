@@ -13,6 +13,11 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
 - kernels: ``RawModule`` runs ringcomm's kernels through tests/csrc_harness.cpp (built by the
   caller, path in RINGCOMM_EMULATED_HARNESS): every thread of the launched grid, with every
   pointer checked to lie in emulated device memory and every vector access checked for alignment.
+  The ring executor's kernel (csrc/ring.cu), whose blocks wait on each other and on other
+  processes, runs as a GPU runs it: it starts when its stream reaches it, whether or not the host
+  waits (the progress thread runs it, as it runs stream memory operations), with every block on an
+  OS thread of its own, all at once (co-resident, as under MPS); the stream's later work runs once
+  every block has returned. Its error record must lie in pinned host memory.
 - streams and events are lazy: queued work runs only when something waits for it (an event
   query or synchronize, a stream waiting on an event, or a copy to the host), never earlier. A
   missing wait in a transport then reads stale data, as it might on a GPU.
@@ -572,6 +577,42 @@ class _ValueWrite:
         _progress.notify_all()  # a wait of this process may hold on it
 
 
+class _Running:
+    """A kernel whose blocks wait for each other and for other processes (csrc/ring.cu's ring
+    executor). As on a GPU, it starts when its stream reaches it, whether or not the host waits
+    (like a stream memory operation, it is run by the progress thread), every block at once, each
+    on a thread of its own (a spinning block never holds up another, as with co-resident blocks);
+    the stream's later work runs once every block has returned. ``body(block)`` runs one block."""
+
+    memop = True
+
+    def __init__(self, blocks: int, body, done) -> None:
+        self.blocks, self.body, self.done = blocks, body, done
+        self.threads: list[threading.Thread] | None = None
+        self.errors: list[str] = []
+        self.ran = False
+
+    def start(self) -> None:
+        def block(b: int) -> None:
+            try:
+                self.body(b)
+            except Exception as e:  # noqa: BLE001 - reported at the next synchronize
+                self.errors.append(f"{type(e).__name__}: {e}")
+
+        self.threads = [threading.Thread(target=block, args=(b,), daemon=True) for b in range(self.blocks)]
+        for t in self.threads:
+            t.start()
+
+    def finished(self) -> bool:
+        return self.threads is not None and not any(t.is_alive() for t in self.threads)
+
+    def __call__(self) -> None:
+        self.ran = True
+        if self.errors:
+            raise RuntimeError("; ".join(self.errors))
+        self.done()
+
+
 def _hang() -> None:
     """A host wait on work that can never complete (a hung stream): it never returns, as on a GPU."""
     while True:
@@ -644,6 +685,11 @@ class Stream:
                     return why
             elif isinstance(head, _ValueWait) and not head.satisfied():
                 return "value"
+            elif isinstance(head, _Running):
+                if head.threads is None:
+                    head.start()
+                if not head.finished():
+                    return "value"  # (it may still finish: look again)
             op = self._queue.popleft()
             if _JITTER and _rng.random() < 0.2:
                 time.sleep(_rng.random() * _JITTER)  # a slow GPU, now and then: races show up
@@ -1269,6 +1315,11 @@ def _lib():
         ]
         lib.rc_host_widen.argtypes = [ctypes.c_int, vp, vp, u64, u64]
         lib.rc_host_misaligned.restype = u64
+        i32 = ctypes.c_int
+        lib.rc_ring_block.argtypes = (
+            [i32, i32, ctypes.c_uint, ctypes.c_uint, vp, i32, i32, vp, vp, vp, vp, vp, vp, u64, u64, u64, i32, i32, u64]
+            + [i32, ctypes.c_double]
+        )  # fmt: skip
         _harness = lib
     return _harness
 
@@ -1292,6 +1343,8 @@ class _Kernel:
             self.kind = "acc"  # ringcomm_reduce_acc_<op>_<f16|bf16>
         elif name.startswith("ringcomm_widen_") and len(parts) == 3 and parts[2] in _DT[:2]:
             self.kind = "widen"  # ringcomm_widen_<f16|bf16>
+        elif name.startswith("ringcomm_ring_") and len(parts) == 4 and parts[2] in _OPS and parts[3] in _DT:
+            self.kind = "ring"  # csrc/ring.cu: ringcomm_ring_<op>_<dtype>
         elif name.startswith("ringcomm_adam_"):
             self.kind = "adam"
         else:
@@ -1314,6 +1367,9 @@ class _Kernel:
 
         vals = [int(a) if not isinstance(a, (np.floating, float)) else float(a) for a in args]
         parts = self.name.split("_")
+        if self.kind == "ring":
+            self._launch_ring(int(np.prod(grid)), vals, parts, touch, stream)
+            return
         if self.kind == "reduce":
             dst, a, b, n, use_div, div = vals
             item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
@@ -1386,6 +1442,40 @@ class _Kernel:
                 raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
 
         stream._enqueue(checked)
+
+    def _launch_ring(self, blocks: int, vals: list, parts: list[str], touch, stream: Stream) -> None:
+        """csrc/ring.cu: every pointer checked (the control blocks over their FIFOs, the error record
+        in pinned host memory), then queued to run all its blocks at once (_Running)."""
+        table, nsteps, nchunks, work, src, mine, left, right, err, sig, count, timeout, place, slots, slot_bytes = vals[
+            :15
+        ]
+        use_div, div = vals[15:]
+        item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
+        touch(table, (8 * nsteps + 3 * nchunks) * 8)
+        touch(work, count * item)
+        touch(src, count * item)
+        ctl = (-(-(3 * blocks + 1) * 128 // 4096) * 4096) + blocks * slots * slot_bytes  # RC_RING_FIFO_OFFSET + FIFO
+        for p in (mine, left, right):
+            touch(p, ctl)
+        if not any(b.ptr <= err and err + 16 * 8 <= b.ptr + len(b) for b in list(_pinned.values())):
+            raise RuntimeError(f"emulated CUDA: {self.name}: the error record {err:#x} is not pinned host memory")
+        dt, op = _DT.index(parts[3]), _OPS.index(parts[2])
+
+        def body(block: int) -> None:
+            rc = _lib().rc_ring_block(
+                dt, op, block, blocks, table, nsteps, nchunks, work, src, mine, left, right, err, sig, count,
+                timeout, place, slots, slot_bytes, use_div, div,
+            )  # fmt: skip
+            assert rc == 0
+
+        def done() -> None:
+            global _kernels_run
+            _kernels_run += 1
+            bad = _lib().rc_host_misaligned()
+            if bad:
+                raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
+
+        stream._enqueue(_Running(blocks, body, done))
 
 
 class RawModule:

@@ -1,0 +1,282 @@
+// ringcomm ring executor: a whole ring collective in one kernel launch (ringcomm/executor.py).
+//
+//   ringcomm_ring_<op>_<dtype>(const long long* table, int nsteps, int nchunks, T* work, const T* src,
+//                              u64* mine, u64* left, u64* right, u64* err, u64 sig, u64 count,
+//                              u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div,
+//                              double div)
+// (``place``: this rank's ring place, named in the failures it records)
+//
+// with op in sum, prod, min, max and dtype in f16 bf16 f32 f64 i8 u8 i16 u16 i32 u32 i64 u64.
+// Launch: one block of RC_BLOCK threads per channel, as many channels as the communicator's control
+// block was laid out for (gridDim.x); every rank's blocks must be resident at once (they wait on
+// each other).
+//
+// The schedule is ringcomm.schedule's, bound by ringcomm.engine.bind, passed as ``table`` (int64):
+//   nsteps rows of 8: send chunk (-1: none), send from (0 src, 1 work), recv chunk (-1: none),
+//                     reduce (1) or copy (0), divide (1: AVG's final step), local from (0 src, 1 work), 0, 0
+//   nchunks rows of 2: the chunk's [lo, hi) in elements
+//   nchunks words: 1 where the chunk must be copied from src to work at the end (no step wrote it)
+// Each chunk is cut into per-channel ranges (units of 16 elements dealt out evenly, as
+// schedule.partition does) and each channel's range into pieces of one FIFO slot. Channel c of rank
+// r talks only to channel c of its neighbours.
+//
+// Each rank's control block (``mine``, one dedicated allocation, mapped by both neighbours), in
+// 128-byte lines of 16 words, for C = gridDim.x channels:
+//   line c          ready[c]: pieces the left neighbour has put into my FIFO (written by the left)
+//   line C + c      freed[c]: pieces the right neighbour has taken out of the FIFO I write into its
+//                   memory (written by the right)
+//   line 2C + c     state[c]: [0] pieces sent, [1] pieces received, [2] calls (only this rank's
+//                   channel c touches it: the epoch lives in device memory, graph replays advance it)
+//   line 3C         abort: 0, or 1 + the ring place of the rank whose failure ended the ring
+//   from byte RC_RING_FIFO_OFFSET(C): C x slots FIFO slots of slot_bytes each (channel-major)
+// Counters only grow (compared wrap-safe). The left writes my ready and my FIFO, the right my
+// freed; each block polls only its own control block and writes into its neighbours'.
+//
+// Every call begins with a header piece (call number, signature, count): a neighbour that made a
+// different call is a mismatch, recorded as one. Every wait has a deadline (timeout_ns, read from
+// the clock every 256 looks): on expiry, or on a mismatch, the block records what it waited for in
+// ``err`` (pinned host memory, 16 words; the first failure of the ring's rank wins), sets the abort
+// word of this rank and of both neighbours, and returns; a block that finds its abort word set does
+// the same, naming the origin. Nothing traps: the host raises at the next call (executor.py).
+#include "common.cuh"
+#define RC_NO_ENTRY_POINTS
+#include "reduce.cu"
+#include "copy.cu"
+#undef RC_NO_ENTRY_POINTS
+
+// Words per 128-byte line, and where the FIFO begins for C channels (4096-byte aligned).
+#define RC_RING_LINE 16
+#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1) * 128) + 4095) / 4096 * 4096)
+// err[] words: state (0 empty, 1 being written, 2 written), kind, origin, call, step (-1: the header),
+// peer (which neighbour: 0 left, 1 right), expected, observed, channel, their call, their signature,
+// their count, my signature, my count
+#define RC_RING_ERR_WORDS 16
+#define RC_RING_TIMEOUT 1
+#define RC_RING_ABORTED 2
+#define RC_RING_MISMATCH 3
+// a header piece: call number, signature, count, this magic
+#define RC_RING_MAGIC 0x72696e67636f6d6dULL
+
+// A block's threads: on the GPU each runs the body once for itself; in the host emulation the
+// block is one OS thread that runs the body for every thread in turn, between barriers (phase by
+// phase), so a barrier is where the phase ends and RC_SHARED is a plain local of the block.
+#ifdef RC_HOST_EMULATION
+#define RC_THREADS(t) for (unsigned t = 0; t < RC_BLOCK; ++t)
+#define RC_BARRIER() ((void)0)
+#define RC_LEADER true
+#define RC_SHARED
+#else
+#define RC_THREADS(t) for (unsigned t = threadIdx.x, t##_once = 1; t##_once; t##_once = 0)
+#define RC_BARRIER() __syncthreads()
+#define RC_LEADER (threadIdx.x == 0)
+#define RC_SHARED __shared__
+#endif
+
+namespace rc {
+
+struct RingArgs {
+  const long long* table;
+  int nsteps, nchunks;
+  unsigned char* work;
+  const unsigned char* src;
+  u64 *mine, *left, *right, *err;
+  u64 sig, count, timeout_ns;
+  int slots;
+  u64 slot_bytes;
+  int use_div;
+  double div;
+  unsigned channel, channels;
+};
+
+__device__ __forceinline__ u64* line(u64* ctl, unsigned i) { return ctl + (u64)i * RC_RING_LINE; }
+
+__device__ __forceinline__ unsigned char* slot_of(u64* ctl, const RingArgs& a, u64 piece) {
+  return (unsigned char*)ctl + RC_RING_FIFO_OFFSET(a.channels) +
+         ((u64)a.channel * a.slots + piece % (u64)a.slots) * a.slot_bytes;
+}
+
+// The channel's part [lo, hi) of the elements [start, stop): units of 16 elements dealt out evenly,
+// the first channels one more.
+__device__ __forceinline__ void channel_range(const RingArgs& a, u64 start, u64 stop, u64& lo, u64& hi) {
+  const u64 units = (stop - start + 15) / 16, base = units / a.channels, extra = units % a.channels;
+  const u64 c = a.channel;
+  lo = start + (c * base + (c < extra ? c : extra)) * 16;
+  hi = lo + (base + (c < extra)) * 16;
+  if (lo > stop) lo = stop;
+  if (hi > stop) hi = stop;
+}
+
+// The block's first failure: record it (the ring rank's first wins), abort this rank and both
+// neighbours (keeping the first origin), return the kind. ``origin``: a ring place + 1.
+__device__ __forceinline__ int fail(const RingArgs& a, int kind, u64 origin, u64 call, long long step, int peer,
+                                    u64 expected, u64 observed, const u64* theirs) {
+  if (cas(a.err, 0, 1)) {
+    u64* e = a.err;
+    st_relaxed(e + 1, (u64)kind);
+    st_relaxed(e + 2, origin);
+    st_relaxed(e + 3, call);
+    st_relaxed(e + 4, (u64)step);
+    st_relaxed(e + 5, (u64)peer);
+    st_relaxed(e + 6, expected);
+    st_relaxed(e + 7, observed);
+    st_relaxed(e + 8, a.channel);
+    for (int i = 0; i < 3; ++i) st_relaxed(e + 9 + i, theirs ? theirs[i] : 0);
+    st_relaxed(e + 12, a.sig);
+    st_relaxed(e + 13, a.count);
+    st_release(e, 2);
+  }
+  const unsigned at = 3 * a.channels;
+  cas(line(a.mine, at), 0, origin);
+  cas(line(a.left, at), 0, origin);
+  cas(line(a.right, at), 0, origin);
+  return kind;
+}
+
+// Wait until the counter at ``word`` reaches ``want``, within the deadline; 0, or the failure's kind.
+__device__ __forceinline__ int wait_for(const RingArgs& a, const u64* word, u64 want, u64 place, u64 call,
+                                        long long step, int peer) {
+  const u64* abort = line(a.mine, 3 * a.channels);
+  u64 start = 0;
+  for (u64 spins = 0;; ++spins) {
+    const u64 v = ld_acquire(word);
+    if (reached(v, want)) return 0;
+    const u64 origin = ld_acquire(abort);
+    if (origin) return fail(a, RC_RING_ABORTED, origin, call, step, origin == place + 1 ? peer : -1, want, v, 0);
+    if (spins % 256 == 0) {
+      const u64 now = clock_ns();
+      if (spins == 0) start = now;
+      else if (now - start > a.timeout_ns) return fail(a, RC_RING_TIMEOUT, place + 1, call, step, peer, want, v, 0);
+    }
+    spin_pause(spins);
+  }
+}
+
+// One channel of one rank: the header, every step's pieces, the end copies; then the epoch is kept.
+template <typename T, typename Op> __device__ __forceinline__ void ring_block(const RingArgs& a, u64 place) {
+  typedef T E;
+  const u64 isz = sizeof(E), per_piece = a.slot_bytes / isz;
+  u64* state = line(a.mine, 2 * a.channels + a.channel);
+  u64* ready = line(a.mine, a.channel);                   // my FIFO's fill, written by the left
+  u64* freed = line(a.mine, a.channels + a.channel);      // the right's FIFO's drain, written by the right
+  u64* right_ready = line(a.right, a.channel);            // what I write into the right
+  u64* left_freed = line(a.left, a.channels + a.channel); // what I write into the left
+  RC_SHARED int status;
+  RC_SHARED u64 sent, got, call;
+  if (RC_LEADER) {
+    status = 0;
+    sent = ld_relaxed(state);
+    got = ld_relaxed(state + 1);
+    call = ld_relaxed(state + 2) + 1;
+  }
+  RC_BARRIER();
+  // the header: sent as a piece of its own, checked against this rank's call
+  if (RC_LEADER) {
+    status = wait_for(a, freed, sent + 1 - a.slots, place, call, -1, 1);
+    if (!status) {
+      u64* h = (u64*)slot_of(a.right, a, sent);
+      st_relaxed(h, call);
+      st_relaxed(h + 1, a.sig);
+      st_relaxed(h + 2, a.count);
+      st_relaxed(h + 3, RC_RING_MAGIC);
+      st_release(right_ready, ++sent);
+      status = wait_for(a, ready, got + 1, place, call, -1, 0);
+    }
+    if (!status) {
+      const u64* h = (const u64*)slot_of(a.mine, a, got);
+      const u64 theirs[3] = {ld_relaxed(h), ld_relaxed(h + 1), ld_relaxed(h + 2)};
+      st_release(left_freed, ++got);
+      if (theirs[0] != call || theirs[1] != a.sig || theirs[2] != a.count)
+        status = fail(a, RC_RING_MISMATCH, place + 1, call, -1, 0, call, theirs[0], theirs);
+    }
+  }
+  RC_BARRIER();
+  for (int k = 0; k < a.nsteps && !status; ++k) {
+    const long long* row = a.table + 8 * k;
+    const long long sc = row[0], rc_ = row[2];
+    const long long* bounds = a.table + 8 * a.nsteps;
+    u64 slo = 0, shi = 0, rlo = 0, rhi = 0;
+    if (sc >= 0) channel_range(a, bounds[2 * sc], bounds[2 * sc + 1], slo, shi);
+    if (rc_ >= 0) channel_range(a, bounds[2 * rc_], bounds[2 * rc_ + 1], rlo, rhi);
+    const u64 ns = (shi - slo + per_piece - 1) / per_piece, nr = (rhi - rlo + per_piece - 1) / per_piece;
+    const E* from = (const E*)(row[1] ? a.work : a.src);
+    const E* local = (const E*)(row[5] ? a.work : a.src);
+    E* dst = (E*)a.work;
+    for (u64 j = 0; (j < ns || j < nr) && !status; ++j) {
+      if (j < ns) {  // piece j of the chunk sent: into the right's FIFO once a slot is free there
+        if (RC_LEADER) status = wait_for(a, freed, sent + 1 - a.slots, place, call, k, 1);
+        RC_BARRIER();
+        if (status) break;
+        const u64 lo = slo + j * per_piece, n = (shi - lo < per_piece ? shi - lo : per_piece);
+        unsigned char* slot = slot_of(a.right, a, sent);
+        RC_THREADS(t) copy_thread(t, RC_BLOCK, slot, (const unsigned char*)(from + lo), n * isz);
+        RC_BARRIER();
+        if (RC_LEADER) st_release(right_ready, ++sent);
+      }
+      if (j < nr) {  // piece j of the chunk received: out of my FIFO once the left has filled it
+        if (RC_LEADER) status = wait_for(a, ready, got + 1, place, call, k, 0);
+        RC_BARRIER();
+        if (status) break;
+        const u64 lo = rlo + j * per_piece, n = (rhi - lo < per_piece ? rhi - lo : per_piece);
+        const E* in = (const E*)slot_of(a.mine, a, got);
+        if (row[3]) {
+          RC_THREADS(t) reduce_thread<E, Op>(t, RC_BLOCK, dst + lo, local + lo, in, n, row[4] && a.use_div, a.div);
+        } else {
+          RC_THREADS(t) copy_thread(t, RC_BLOCK, (unsigned char*)(dst + lo), (const unsigned char*)in, n * isz);
+        }
+        RC_BARRIER();
+        if (RC_LEADER) st_release(left_freed, ++got);
+      }
+    }
+  }
+  if (status) return;
+  const long long* copies = a.table + 8 * a.nsteps + 2 * a.nchunks;
+  for (int c = 0; c < a.nchunks; ++c) {
+    if (!copies[c]) continue;
+    const long long* bounds = a.table + 8 * a.nsteps;
+    u64 lo, hi;
+    channel_range(a, bounds[2 * c], bounds[2 * c + 1], lo, hi);
+    RC_THREADS(t) copy_thread(t, RC_BLOCK, a.work + lo * isz, a.src + lo * isz, (hi - lo) * isz);
+  }
+  if (RC_LEADER) {
+    st_relaxed(state, sent);
+    st_relaxed(state + 1, got);
+    st_relaxed(state + 2, call);
+  }
+}
+
+}  // namespace rc
+
+#ifndef RC_HOST_EMULATION
+#define RC_RING_ENTRY(OPNAME, OP, SUFFIX, T)                                                                     \
+  extern "C" __global__ void __launch_bounds__(RC_BLOCK) ringcomm_ring_##OPNAME##_##SUFFIX(                       \
+      const long long* table, int nsteps, int nchunks, T* work, const T* src, rc::u64* mine, rc::u64* left,       \
+      rc::u64* right, rc::u64* err, rc::u64 sig, rc::u64 count, rc::u64 timeout_ns, int place, int slots,        \
+      rc::u64 slot_bytes, int use_div, double div) {                                                            \
+    const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, mine, left,   \
+                         right, err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, blockIdx.x,        \
+                         gridDim.x};                                                                             \
+    rc::ring_block<T, OP>(a, (rc::u64)place);                                                                     \
+  }
+
+// (RC_RING_ONE_ENTRY: the loader compiles one kernel at a time, adding its RC_RING_ENTRY line)
+#ifndef RC_RING_ONE_ENTRY
+#define RC_RING_OPS(SUFFIX, T)                \
+  RC_RING_ENTRY(sum, rc::OpSum, SUFFIX, T)    \
+  RC_RING_ENTRY(prod, rc::OpProd, SUFFIX, T)  \
+  RC_RING_ENTRY(min, rc::OpMin, SUFFIX, T)    \
+  RC_RING_ENTRY(max, rc::OpMax, SUFFIX, T)
+
+RC_RING_OPS(f16, rc::half_t)
+RC_RING_OPS(bf16, rc::bf16_t)
+RC_RING_OPS(f32, float)
+RC_RING_OPS(f64, double)
+RC_RING_OPS(i8, signed char)
+RC_RING_OPS(u8, unsigned char)
+RC_RING_OPS(i16, short)
+RC_RING_OPS(u16, unsigned short)
+RC_RING_OPS(i32, int)
+RC_RING_OPS(u32, unsigned int)
+RC_RING_OPS(i64, long long)
+RC_RING_OPS(u64, unsigned long long)
+#endif
+#endif

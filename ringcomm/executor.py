@@ -1,0 +1,291 @@
+"""The device executor: a whole ring collective in one kernel launch (csrc/ring.cu).
+
+Chosen by ``RINGCOMM_TRANSPORT=kernel`` for rings whose every edge joins GPUs that can map each
+other's memory (CUDA IPC: one node; several ranks on one GPU need MPS, so that every rank's blocks
+run at once). The host checks the call, looks up the call's step table (ringcomm.schedule's steps,
+bound by engine.bind: which buffer each step reads; cached in device memory) and launches one
+kernel on the call's stream; it returns without waiting. The kernel runs every step: channel c of
+rank r pushes its pieces into a FIFO in its right neighbour's memory and takes its left
+neighbour's out of its own, the two hazards of a ring step (DESIGN.md) being counters that only
+grow (ready: written by the left; freed: written by the right), stored with release and loaded
+with acquire at system scope.
+
+Memory per communicator and device: one dedicated allocation (cudaMalloc, not a pool block, so no
+pool trim can free it under a neighbour's mapping), exported and mapped by both neighbours once,
+at set-up: a control block of 128-byte lines (counters, the epoch, the abort word) and the FIFOs,
+``CHANNELS x SLOTS x SLOT_BYTES`` (2 MiB by default), and 128 bytes of pinned host memory for the
+error record.
+
+Failures never hang and never trap: every wait inside the kernel has the communicator's deadline;
+on expiry (or a neighbour's call that differs: each call's first piece is a header with the call
+number, collective, dtype, op, root and count) the kernel records what it waited for in the error
+record, marks both neighbours aborted (they stop at once, naming the origin) and returns. The host
+raises the error (:class:`ringcomm.TimeoutError`, :class:`ringcomm.AbortError`,
+:class:`ringcomm.MismatchError`) at the next call or ``check_errors()``.
+
+Not yet run here: accumulate="float32" (the host-driven ring over IPC runs those calls), CUDA graph
+capture, and the one-shot kernel for small sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .engine import Context, bind
+from .errors import AbortError, MismatchError, TimeoutError
+from .ops import AVG, FLOAT_DTYPES
+from .schedule import Bounds, Step
+
+log = logging.getLogger("ringcomm")
+
+#: blocks (channels) per rank, at most; each has its own FIFO and counters
+CHANNELS = 8
+#: FIFO slots per channel, and bytes per slot (a piece of a chunk)
+SLOTS = 4
+SLOT_BYTES = 64 << 10
+#: csrc/ring.cu's layout: u64 words per 128-byte line; error-record words; failure kinds
+LINE_WORDS = 16
+ERR_WORDS = 16
+TIMEOUT, ABORTED, MISMATCH = 1, 2, 3
+#: step tables kept in device memory (by collective, count, dtype size, root, in place)
+TABLES = 64
+COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5}
+_CODE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
+
+
+#: every executor's allocation until its close(): a communicator dropped without close() may still be
+#: mapped by its neighbours, and CUDA leaves freeing such memory undefined (kept for the process's life)
+_mapped_by_peers: list = []
+
+
+def fifo_offset(channels: int) -> int:
+    """csrc/ring.cu's RC_RING_FIFO_OFFSET: the control block's bytes, rounded up to 4096."""
+    return -(-(3 * channels + 1) * 128 // 4096) * 4096
+
+
+def region_bytes(channels: int) -> int:
+    """Bytes of one rank's dedicated allocation: the control block and the FIFOs."""
+    return fifo_offset(channels) + channels * SLOTS * SLOT_BYTES
+
+
+def step_table(steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any) -> np.ndarray:
+    """The int64 table csrc/ring.cu runs (see its header): per step (send chunk, send from, recv
+    chunk, reduce, divide, local from, 0, 0), then every chunk's (lo, hi), then per chunk 1 where
+    it must be copied from src at the end (a result chunk that no step wrote)."""
+    bound, written = bind(steps, len(bounds), in_place, False)
+    rows = [
+        (
+            -1 if st.send is None else st.send,
+            0 if send_from is None else send_from,
+            -1 if st.recv is None else st.recv,
+            int(st.reduce),
+            int(st.final),
+            0 if local_from is None else local_from,
+            0,
+            0,
+        )
+        for st, (send_from, _, local_from) in zip(steps, bound)
+    ]
+    copies = [0] * len(bounds)
+    for c in result_chunks:
+        copies[c] = int(not written[c])
+    return np.array([v for row in rows for v in row] + [v for b in bounds for v in b] + copies, np.int64)
+
+
+class RingExecutor:
+    """One communicator's executor on one device: its dedicated allocation, the neighbours'
+    mappings of theirs, the error record, the step tables. Made collectively (exchanges the IPC
+    handles), on the first call that runs here."""
+
+    def __init__(self, comm: Any, device: Any) -> None:
+        import cupy
+
+        from .devices.cuda import sm_count
+        from .transports.base import wait
+        from .transports.ipc import _words
+
+        self.comm, self.cupy = comm, cupy
+        rt = cupy.cuda.runtime
+        self.device_id = int(rt.getDevice())
+        self.channels = max(1, min(CHANNELS, sm_count(self.device_id) // 2))
+        self.nbytes = region_bytes(self.channels)
+        self.memory = cupy.cuda.Memory(self.nbytes)  # cudaMalloc: dedicated, exportable
+        _mapped_by_peers.append(self.memory)  # (freed by close() alone, once the neighbours unmapped it)
+        whole = cupy.ndarray((self.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(self.memory, 0))
+        whole.fill(0)
+        cupy.cuda.Device(self.device_id).synchronize()
+        self._pinned = cupy.cuda.alloc_pinned_memory(ERR_WORDS * 8)
+        self.err = np.frombuffer(self._pinned, np.uint64, ERR_WORDS)
+        self.err[:] = 0
+        self.err_ptr = int(self.err.ctypes.data)
+        handle = rt.ipcGetMemHandle(self.memory.ptr)
+        setup = Context("the ring executor's set-up", comm, comm._host, np.dtype(np.uint8), None)
+        table = comm._allgather_ints(setup, _words(handle), "exchanging the ring executor's memory handles")
+        left, right = comm.left, comm.right
+        self._opened: list[int] = []
+
+        def open_peer(rank: int) -> int:
+            ptr = int(rt.ipcOpenMemHandle(table[rank].tobytes(), rt.cudaIpcMemLazyEnablePeerAccess))
+            self._opened.append(ptr)
+            return ptr
+
+        self.left_ptr = open_peer(left)
+        self.right_ptr = self.left_ptr if right == left else open_peer(right)
+        # every rank's control block is zero before any kernel writes into a neighbour's
+        wait([comm.mpi.Ibarrier()], setup, None, left, "the ring executor's set-up")
+        self.tables: OrderedDict[tuple, Any] = OrderedDict()
+        self.last: Any = None  # the end of the last kernel (devices.cuda.LastUse): where the next call begins
+        log.debug(
+            "ring executor on rank %d/%d: device %d, %d channels x %d slots x %d B (%d B of device memory)",
+            comm.rank,
+            comm.size,
+            self.device_id,
+            self.channels,
+            SLOTS,
+            SLOT_BYTES,
+            self.nbytes,
+        )
+
+    def run(
+        self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, work: Any, src: Any, result_chunks: Any = ()
+    ) -> int:
+        """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent."""
+        from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
+
+        comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
+        count = work.size if ctx.collective != "reduce_scatter" else src.size
+        in_place = work is src
+        # the calls of a communicator run one after another, as they were made, whatever their
+        # streams (each kernel keeps the epoch for the next): after the last one's kernel
+        device.after(self.last)
+        key = (id(steps), bounds, in_place, tuple(result_chunks))
+        table = self.tables.get(key)
+        if table is None or table[0] is not steps:
+            host = step_table(steps, bounds, in_place, result_chunks)
+            with device.stream:  # (the copy in, on the call's stream)
+                table = self.tables[key] = (steps, self.cupy.asarray(host))
+            if len(self.tables) > TABLES:  # kept until the kernels that may read it are done
+                device.retire(self.tables.popitem(last=False)[1][1], self.last)
+        else:
+            self.tables.move_to_end(key)
+        name = f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}"
+        k = kernel("ring.cu", name)
+        use_div = op is AVG and dtype in FLOAT_DTYPES
+        stream = device.stream
+        sig = signature(ctx.collective, dtype, op, ctx.root)
+        k(
+            (self.channels,),
+            (BLOCK,),
+            (
+                np.uint64(table[1].data.ptr),
+                np.int32(len(steps)),
+                np.int32(len(bounds)),
+                np.uint64(pointer(work)),
+                np.uint64(pointer(src)),
+                np.uint64(self.memory.ptr),
+                np.uint64(self.left_ptr),
+                np.uint64(self.right_ptr),
+                np.uint64(self.err_ptr),
+                np.uint64(sig),
+                np.uint64(count),
+                np.uint64(int(comm.timeout * 1e9)),
+                np.int32(comm.position),
+                np.int32(SLOTS),
+                np.uint64(SLOT_BYTES),
+                np.int32(use_div),
+                np.float64(comm.size),
+            ),
+            stream=stream,
+        )
+        self.last = device.record(self.last)
+        return sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
+
+    def failure(self) -> BaseException | None:
+        """The error a kernel recorded, as the exception to raise (None while there is none)."""
+        if int(self.err[0]) != 2:
+            return None
+        e = [int(v) for v in self.err]
+        kind, origin, call, step, peer_side, expected, observed, channel = e[1:9]
+        comm = self.comm
+        header = step == (1 << 64) - 1  # the call's first piece, before step 0
+        step_no = 0 if header else step
+        at = "the call's header, before step 0" if header else f"step {step}"
+        peer = comm.left if peer_side == 0 else comm.right
+        collective = _CODE_NAMES.get(e[12] & 0xFF, "collective")
+        if kind == MISMATCH:
+            theirs = e[9:12]
+            return MismatchError(
+                f"{collective} (ring kernel call {call}, at step 0: the call's header from rank {comm.left}): "
+                f"rank {comm.left} made {describe(theirs[1], theirs[2])} "
+                f"as its call {theirs[0]}, rank {comm.rank} {describe(e[12], e[13])} as its call {call}; the ranks "
+                "did not make the same call"
+            )
+        waited = "a piece from" if peer_side == 0 else "a free FIFO slot at"
+        what = f"ring kernel call {call}, channel {channel}, at {at}: {waited} rank {peer}"
+        what += f", counter {observed} of {expected}"
+        if kind == ABORTED and origin - 1 != comm.position:
+            origin_rank = comm.ring[origin - 1]
+            return AbortError(
+                collective, step_no, comm.rank, peer, origin_rank, f"a failure in the ring kernel ({what})"
+            )
+        return TimeoutError(collective, step_no, comm.rank, peer, comm.timeout, what)
+
+    def close(self) -> None:
+        """Wait for the kernels queued (each ends within the deadline), close the neighbours'
+        mappings, and free the allocation once both neighbours have closed theirs (collective)."""
+        from .transports.base import abandon, wait
+
+        comm, rt = self.comm, self.cupy.cuda.runtime
+        if self.last is not None:
+            self.last.event.synchronize()
+        for ptr in self._opened:
+            rt.ipcCloseMemHandle(ptr)
+        self._opened.clear()
+        ctx = Context("closing the ring executor", comm, comm._host, np.dtype(np.uint8), None)
+        try:
+            wait([comm.mpi.Ibarrier()], ctx, None, comm.left, "every rank's ring executor closed")
+        except BaseException:
+            abandon(None, self.memory)  # a neighbour may still map it
+            raise
+        finally:
+            _mapped_by_peers.remove(self.memory)
+        self.memory = None
+
+
+def signature(collective: str, dtype: np.dtype, op: Any, root: int) -> int:
+    """The call's header word: collective, dtype, op and root (csrc/ring.cu compares it)."""
+    from .ops import OPS
+
+    ops = list(dict.fromkeys(OPS.values()))
+    return (
+        COLLECTIVE_CODES[collective]
+        | (_dtype_code(dtype) << 8)
+        | ((0 if op is None else 1 + ops.index(op)) << 16)
+        | ((root + 1) << 24)
+    )
+
+
+@functools.cache
+def _dtype_code(dtype: np.dtype) -> int:
+    from .devices.cuda import SUFFIX
+
+    return 1 + list(SUFFIX).index(np.dtype(dtype))
+
+
+def describe(sig: int, count: int) -> str:
+    """A header word and count for people: "all_reduce of 1000 float32 (sum), root -1"."""
+    from .devices.cuda import SUFFIX
+    from .ops import OPS
+
+    ops = list(dict.fromkeys(OPS.values()))
+    code, dt, op, root = sig & 0xFF, (sig >> 8) & 0xFF, (sig >> 16) & 0xFF, (sig >> 24) - 1
+    dtype = list(SUFFIX)[dt - 1] if 0 < dt <= len(SUFFIX) else f"dtype #{dt}"
+    what = f"{_CODE_NAMES.get(code, f'collective #{code}')} of {count} {dtype}"
+    if op:
+        what += f" ({ops[op - 1]})"
+    return what + (f", root {root}" if root >= 0 else "")
