@@ -1,11 +1,14 @@
 """Where a GPU all-reduce's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
 
-    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged ipc-stream]
+    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged ipc-stream kernel]
                                                      [--sizes 8 64K 1M] [--iters 200] [--top K] [--json out.json]
 
 For each transport (RINGCOMM_TRANSPORT, one Communicator each) and size: a float32 all-reduce out of
 place, called back to back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
-``us/call`` is the slowest rank's mean wall time per call. Then the same loop again under cProfile
+``us/call`` is the slowest rank's mean wall time per call. ``in call``: the slowest rank's mean time
+inside the call itself, each call made on an idle stream (synchronized after it, outside the timing): the
+host time a call costs (all of it where the call waits for the GPU; the checks and the launch alone where
+it returns before its kernels run: ipc-stream, kernel). Then the same loop again under cProfile
 (every rank; rank 0's figures are shown), its time split by who spent it, each function's own time:
 
 - ``ringcomm``: ringcomm's own Python (argument checks, schedule, engine, transports' handshakes, kernel
@@ -140,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             ran = comm.transport_name(x)
             small = n > 1 and x.nbytes <= comm._small("cuda")  # (collectives.all_reduce's rule)
             algorithm = ("via host" if comm._via_host("cuda", 0) else "gather-fold") if small else "ring"
+            if n > 1 and comm._transport("cuda").kernel:
+                algorithm = "one kernel"
             steps = {"via host": 1, "gather-fold": n - 1}.get(algorithm) or len(schedule.all_reduce(n, comm.position))
 
             def loop(calls: int) -> None:
@@ -152,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             loop(args.iters)
             per_call = world.allreduce(time.perf_counter() - t0, op=MPI.MAX) / args.iters
+            inside = 0.0  # the host's time in the call itself, the GPU idle when it starts
+            for _ in range(args.iters):
+                t1 = time.perf_counter()
+                comm.all_reduce(x, out=out)
+                inside += time.perf_counter() - t1
+                stream.synchronize()
+            in_call = world.allreduce(inside, op=MPI.MAX) / args.iters
             wrong = int(world.allreduce(int((cp.asnumpy(out) != n * base + n * (n - 1) // 2).sum()), op=MPI.SUM))
             world.Barrier()
             prof = cProfile.Profile()
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": steps,
                     "algorithm": algorithm,
                     "us_per_call": per_call * 1e6,
+                    "host_us_per_call": in_call * 1e6,
                     "us_per_step": per_call * 1e6 / max(steps, 1),
                     "us_by_side": us,
                     "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()},
@@ -186,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             f"per side: rank 0's profiled share of the call (us per step)"
         )
         head = (
-            f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'us/step':>8}"
+            f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'in call':>8}"
+            f" {'us/step':>8}"
         )
         print(head + "".join(f" {k:>8}" for k in SIDES) + f" {'wrong':>6}")
         for row in rows:
             print(
                 f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
-                f"{row['us_per_call']:9.1f} {row['us_per_step']:8.1f}"
+                f"{row['us_per_call']:9.1f} {row['host_us_per_call']:8.1f} {row['us_per_step']:8.1f}"
                 + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES)
                 + f" {row['wrong']:6d}"
             )

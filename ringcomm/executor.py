@@ -52,8 +52,9 @@ SLOT_BYTES = 64 << 10
 LINE_WORDS = 16
 ERR_WORDS = 16
 TIMEOUT, ABORTED, MISMATCH = 1, 2, 3
-#: step tables kept in device memory (by collective, count, dtype size, root, in place)
-TABLES = 64
+#: kinds of call (collective, count, dtype, op, root, in place) whose step table and launch
+#: arguments are kept
+CALLS = 64
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5}
 _CODE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
 
@@ -138,7 +139,9 @@ class RingExecutor:
         self.right_ptr = self.left_ptr if right == left else open_peer(right)
         # every rank's control block is zero before any kernel writes into a neighbour's
         wait([comm.mpi.Ibarrier()], setup, None, left, "the ring executor's set-up")
-        self.tables: OrderedDict[tuple, Any] = OrderedDict()
+        #: per kind of call (steps, bounds, in place, dtype, op, root): (steps, kernel, arguments
+        #: before and after the buffers', bytes sent, the step table in device memory)
+        self.calls: OrderedDict[tuple, tuple] = OrderedDict()
         self.last: Any = None  # the end of the last kernel (devices.cuda.LastUse): where the next call begins
         log.debug(
             "ring executor on rank %d/%d: device %d, %d channels x %d slots x %d B (%d B of device memory)",
@@ -155,55 +158,54 @@ class RingExecutor:
         self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, work: Any, src: Any, result_chunks: Any = ()
     ) -> int:
         """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent."""
-        from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
+        from .devices.cuda import BLOCK, pointer
 
-        comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
-        count = work.size if ctx.collective != "reduce_scatter" else src.size
-        in_place = work is src
+        device = ctx.device
+        key = (id(steps), bounds, work is src, tuple(result_chunks), ctx.dtype, ctx.op, ctx.root, ctx.collective)
+        call = self.calls.get(key)
+        if call is None or call[0] is not steps:
+            call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks)
+        else:
+            self.calls.move_to_end(key)
+        _, k, head, tail, sent, _ = call
         # the calls of a communicator run one after another, as they were made, whatever their
         # streams (each kernel keeps the epoch for the next): after the last one's kernel
         device.after(self.last)
-        key = (id(steps), bounds, in_place, tuple(result_chunks))
-        table = self.tables.get(key)
-        if table is None or table[0] is not steps:
-            host = step_table(steps, bounds, in_place, result_chunks)
-            with device.stream:  # (the copy in, on the call's stream)
-                table = self.tables[key] = (steps, self.cupy.asarray(host))
-            if len(self.tables) > TABLES:  # kept until the kernels that may read it are done
-                device.retire(self.tables.popitem(last=False)[1][1], self.last)
-        else:
-            self.tables.move_to_end(key)
-        name = f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}"
-        k = kernel("ring.cu", name)
-        use_div = op is AVG and dtype in FLOAT_DTYPES
-        stream = device.stream
-        sig = signature(ctx.collective, dtype, op, ctx.root)
-        k(
-            (self.channels,),
-            (BLOCK,),
-            (
-                np.uint64(table[1].data.ptr),
-                np.int32(len(steps)),
-                np.int32(len(bounds)),
-                np.uint64(pointer(work)),
-                np.uint64(pointer(src)),
-                np.uint64(self.memory.ptr),
-                np.uint64(self.left_ptr),
-                np.uint64(self.right_ptr),
-                np.uint64(self.err_ptr),
-                np.uint64(sig),
-                np.uint64(count),
-                np.uint64(int(comm.timeout * 1e9)),
-                np.int32(comm.position),
-                np.int32(SLOTS),
-                np.uint64(SLOT_BYTES),
-                np.int32(use_div),
-                np.float64(comm.size),
-            ),
-            stream=stream,
-        )
+        args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), *tail)
+        k((self.channels,), (BLOCK,), args, stream=device.stream)
         self.last = device.record(self.last)
-        return sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
+        return sent
+
+    def _prepare(self, key: tuple, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks):
+        """What every call like this one launches (kept by ``key``, at most CALLS): the step table
+        in device memory (copied in on the call's stream), the kernel, its arguments but the
+        buffers', and the payload bytes sent."""
+        from .devices.cuda import _OP_NAME, SUFFIX, kernel
+
+        comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
+        with device.stream:
+            table = self.cupy.asarray(step_table(steps, bounds, in_place, result_chunks))
+        k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
+        head = (np.uint64(table.data.ptr), np.int32(len(steps)), np.int32(len(bounds)))
+        tail = (
+            np.uint64(self.memory.ptr),
+            np.uint64(self.left_ptr),
+            np.uint64(self.right_ptr),
+            np.uint64(self.err_ptr),
+            np.uint64(signature(ctx.collective, dtype, op, ctx.root)),
+            np.uint64(bounds[-1][1] if bounds else 0),  # the call's count
+            np.uint64(int(comm.timeout * 1e9)),
+            np.int32(comm.position),
+            np.int32(SLOTS),
+            np.uint64(SLOT_BYTES),
+            np.int32(op is AVG and dtype in FLOAT_DTYPES),
+            np.float64(comm.size),
+        )
+        sent = sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
+        call = self.calls[key] = (steps, k, head, tail, sent, table)
+        if len(self.calls) > CALLS:  # its table kept until the kernels that may read it are done
+            device.retire(self.calls.popitem(last=False)[1][-1], self.last)
+        return call
 
     def failure(self) -> BaseException | None:
         """The error a kernel recorded, as the exception to raise (None while there is none)."""

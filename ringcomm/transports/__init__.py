@@ -159,15 +159,12 @@ class Link:
     """This rank's two halves for arrays of one kind: ``recv`` (the edge from the left) and
     ``send`` (the edge to the right); ``edges``: every edge's transport by ring place, as chosen."""
 
-    __slots__ = ("comm", "recv", "send", "edges")
+    __slots__ = ("comm", "recv", "send", "edges", "kernel")
 
     def __init__(self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...]) -> None:
         self.comm, self.recv, self.send, self.edges = comm, recv, send, edges
-
-    @property
-    def kernel(self) -> bool:
-        """Whether the ring executor runs this ring's collectives: every edge "kernel", two ranks or more."""
-        return len(self.edges) > 1 and all(edge == "kernel" for edge in self.edges)
+        #: whether the ring executor runs this ring's collectives: every edge "kernel", two ranks or more
+        self.kernel = len(edges) > 1 and set(edges) == {"kernel"}
 
     def current(self) -> tuple[str, ...]:
         """``edges`` with this rank's two edges as its halves now say (after an IPC fallback)."""
