@@ -26,8 +26,8 @@
 # 6. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
 #    and where a small GPU all-reduce's host time goes, per transport (benchmarks/gpu_host_cost.py);
 # 7. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
-#    then all_reduce busbw of ipc, ipc-stream (RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks on the one GPU,
-#    64 KiB to 1 GiB (bench_<transport>_n<N>.json). NCCL is the carried 2.30 when its smoke test passed;
+#    then all_reduce of ipc, kernel (each collective one kernel; RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks
+#    on the one GPU, 8 B to 1 GiB (bench_<transport>_n<N>.json). NCCL is the carried 2.30 when its smoke test passed;
 # 8. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
 # Each step has a limit (PLAN below); the limits and the set-up's add up to at most the budget, so no step is
 # cut short or skipped for time; a failed step does not stop the others. The summary table comes last; the exit
@@ -82,7 +82,7 @@ PLAN=(
     "allreduce ipc vs staged 13"
     "gpu host cost 12"
     "ringcomm-bench 30"
-    "ipc-stream bench 95"
+    "one-kernel bench 95"
     "tests N=3,4 72"
     "zero GPU tests 10"
 )
@@ -375,21 +375,22 @@ step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.
 # ----------------------------------------------------------------- 6. all-reduce 1 GiB, IPC vs staged
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
-step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --iters 50 --json '$OUTDIR/gpu_host_cost.json' &&
-    mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
+step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --transports ipc ipc-stream kernel --iters 50 \
+    --json '$OUTDIR/gpu_host_cost.json' && mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --transports ipc ipc-stream kernel \
+    --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 
 # ------------------------------------------------------------ 7. ringcomm against NCCL and MPI, 2 ranks
 # the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured
 step "ringcomm-bench" bash -o pipefail -c "$NCCL_ENV RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
     --impl ringcomm,nccl,mpi -b 8 -e 64M --time-budget 1 --timeout 40 --json '$OUTDIR/bench.json' | tee '$OUTDIR/bench.txt'"
 
-# ipc and ipc-stream (the step handshake on the GPU's streams) beside NCCL, 2 and 4 ranks, 64 KiB..1 GiB
-step "ipc-stream bench" bash -o pipefail -c "
+# ipc and kernel (each collective one kernel: ringcomm/executor.py) beside NCCL, 2 and 4 ranks, 8 B..1 GiB
+step "one-kernel bench" bash -o pipefail -c "
 for n in 2 4; do
-  for t in ipc ipc-stream; do
+  for t in ipc kernel; do
     impl=ringcomm; [ \$t = ipc ] && impl=ringcomm,nccl
     $NCCL_ENV RINGCOMM_TRANSPORT=\$t RINGCOMM_TIMEOUT=20 mpiexec -n \$n $PY -m ringcomm.bench --device cuda --impl \$impl \\
-      -b 64K -e 1G -f 4 -n 10 -w 2 --time-budget 0.4 --timeout 25 --json '$OUTDIR'/bench_\${t}_n\$n.json \\
+      -b 8 -e 1G -f 8 -n 10 -w 2 --time-budget 0.4 --timeout 25 --json '$OUTDIR'/bench_\${t}_n\$n.json \\
       > '$OUTDIR'/bench_\${t}_n\$n.txt || exit 1
   done
 done"

@@ -26,6 +26,8 @@
 // thread, grid-stride) and a scalar tail of < 4 elements ends it; otherwise a plain scalar
 // grid-stride loop. Launch: any grid of RC_BLOCK-thread blocks (the launcher sizes it from the SM
 // count, one thread per RC_UNROLL units).
+#ifndef RINGCOMM_ACCUMULATE_CU
+#define RINGCOMM_ACCUMULATE_CU
 #include "common.cuh"
 
 namespace rc {
@@ -164,7 +166,8 @@ RC_HD void acc_thread(u64 tid, u64 nthreads, typename AccOut<H, Op, Kind>::type*
 
 }  // namespace rc
 
-#ifndef RC_HOST_EMULATION
+// (RC_NO_ENTRY_POINTS: only the device functions, for a file that includes this one: ring.cu)
+#if !defined(RC_HOST_EMULATION) && !defined(RC_NO_ENTRY_POINTS)
 #define RC_TID_NTHREADS (rc::u64)blockIdx.x * blockDim.x + threadIdx.x, (rc::u64)gridDim.x * blockDim.x
 
 #define RC_ACC_ENTRIES(OPNAME, OP, SUFFIX, H)                                                                  \
@@ -195,3 +198,4 @@ RC_ACC_OPS(bf16, rc::bf16_t)
 RC_WIDEN_ENTRY(f16, rc::half_t)
 RC_WIDEN_ENTRY(bf16, rc::bf16_t)
 #endif
+#endif  // RINGCOMM_ACCUMULATE_CU

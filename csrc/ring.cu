@@ -1,10 +1,11 @@
 // ringcomm ring executor: a whole ring collective in one kernel launch (ringcomm/executor.py).
 //
 //   ringcomm_ring_<op>_<dtype>(const long long* table, int nsteps, int nchunks, T* work, const T* src,
-//                              u64* mine, u64* left, u64* right, u64* err, u64 sig, u64 count,
-//                              u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div,
-//                              double div)
-// (``place``: this rank's ring place, named in the failures it records)
+//                              float* acc, u64* mine, u64* left, u64* right, u64* err, u64 sig,
+//                              u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes,
+//                              int use_div, double div)
+// (``place``: this rank's ring place, named in the failures it records; ``acc``: null, or with
+// accumulate="float32" on a half type, float32 partial sums as long as work, as the engine's ACC)
 //
 // with op in sum, prod, min, max and dtype in f16 bf16 f32 f64 i8 u8 i16 u16 i32 u32 i64 u64.
 // Launch: one block of RC_BLOCK threads per channel, as many channels as the communicator's control
@@ -12,8 +13,10 @@
 // each other).
 //
 // The schedule is ringcomm.schedule's, bound by ringcomm.engine.bind, passed as ``table`` (int64):
-//   nsteps rows of 8: send chunk (-1: none), send from (0 src, 1 work), recv chunk (-1: none),
-//                     reduce (1) or copy (0), divide (1: AVG's final step), local from (0 src, 1 work), 0, 0
+//   nsteps rows of 8: send chunk (-1: none), send from (0 src, 1 work, 2 acc), recv chunk (-1: none),
+//                     reduce (1) or copy (0), final (the chunk's last reduction: AVG divides, a wide call
+//                     rounds to T), local from (0 src, 1 work), widen from (-1: none; else 0 src, 1 work:
+//                     this rank's own data, sent in float32), 0
 //   nchunks rows of 2: the chunk's [lo, hi) in elements
 //   nchunks words: 1 where the chunk must be copied from src to work at the end (no step wrote it)
 // Each chunk is cut into per-channel ranges (units of 16 elements dealt out evenly, as
@@ -42,6 +45,7 @@
 #define RC_NO_ENTRY_POINTS
 #include "reduce.cu"
 #include "copy.cu"
+#include "accumulate.cu"
 #undef RC_NO_ENTRY_POINTS
 
 // Words per 128-byte line, and where the FIFO begins for C channels (4096-byte aligned).
@@ -79,6 +83,7 @@ struct RingArgs {
   int nsteps, nchunks;
   unsigned char* work;
   const unsigned char* src;
+  unsigned char* acc;  // accumulate="float32": float32 partial sums, as many as work's elements; else null
   u64 *mine, *left, *right, *err;
   u64 sig, count, timeout_ns;
   int slots;
@@ -152,14 +157,19 @@ __device__ __forceinline__ int wait_for(const RingArgs& a, const u64* word, u64 
 }
 
 // One channel of one rank: the header, every step's pieces, the end copies; then the epoch is kept.
+// ``status`` is written by the leader alone, in a wait, and read by every thread only right after
+// the barrier that follows that wait (into its own ``st``), with a barrier before the leader's next
+// wait: so every thread takes the same branches and meets the same barriers.
 template <typename T, typename Op> __device__ __forceinline__ void ring_block(const RingArgs& a, u64 place) {
-  typedef T E;
-  const u64 isz = sizeof(E), per_piece = a.slot_bytes / isz;
+  constexpr bool half = is_same<T, half_t>::value || is_same<T, bf16_t>::value;
+  const u64 isz = sizeof(T);
+  const bool wide = a.acc != nullptr;  // accumulate="float32": partial sums travel and are kept in float32
   u64* state = line(a.mine, 2 * a.channels + a.channel);
-  u64* ready = line(a.mine, a.channel);                   // my FIFO's fill, written by the left
-  u64* freed = line(a.mine, a.channels + a.channel);      // the right's FIFO's drain, written by the right
-  u64* right_ready = line(a.right, a.channel);            // what I write into the right
-  u64* left_freed = line(a.left, a.channels + a.channel); // what I write into the left
+  u64* ready = line(a.mine, a.channel);                    // my FIFO's fill, written by the left
+  u64* freed = line(a.mine, a.channels + a.channel);       // the right's FIFO's drain, written by the right
+  u64* right_ready = line(a.right, a.channel);             // what I write into the right
+  u64* left_freed = line(a.left, a.channels + a.channel);  // what I write into the left
+  const long long* bounds = a.table + 8 * a.nsteps;
   RC_SHARED int status;
   RC_SHARED u64 sent, got, call;
   if (RC_LEADER) {
@@ -190,49 +200,68 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
     }
   }
   RC_BARRIER();
-  for (int k = 0; k < a.nsteps && !status; ++k) {
+  int st = status;
+  RC_BARRIER();
+  for (int k = 0; k < a.nsteps && !st; ++k) {
     const long long* row = a.table + 8 * k;
     const long long sc = row[0], rc_ = row[2];
-    const long long* bounds = a.table + 8 * a.nsteps;
     u64 slo = 0, shi = 0, rlo = 0, rhi = 0;
     if (sc >= 0) channel_range(a, bounds[2 * sc], bounds[2 * sc + 1], slo, shi);
     if (rc_ >= 0) channel_range(a, bounds[2 * rc_], bounds[2 * rc_ + 1], rlo, rhi);
-    const u64 ns = (shi - slo + per_piece - 1) / per_piece, nr = (rhi - rlo + per_piece - 1) / per_piece;
-    const E* from = (const E*)(row[1] ? a.work : a.src);
-    const E* local = (const E*)(row[5] ? a.work : a.src);
-    E* dst = (E*)a.work;
-    for (u64 j = 0; (j < ns || j < nr) && !status; ++j) {
+    // what travels: float32 partial sums (sent from ACC; received by a reduce step when wide), else T
+    const u64 s_isz = row[1] == 2 ? 4 : isz, r_isz = wide && row[3] ? 4 : isz;
+    const u64 s_per = a.slot_bytes / s_isz, r_per = a.slot_bytes / r_isz;
+    const u64 ns = (shi - slo + s_per - 1) / s_per, nr = (rhi - rlo + r_per - 1) / r_per;
+    const unsigned char* from = row[1] == 2 ? a.acc : row[1] ? a.work : a.src;
+    const T* local = (const T*)(row[5] ? a.work : a.src);
+    const T* widen = row[6] < 0 ? nullptr : (const T*)(row[6] ? a.work : a.src);
+    T* dst = (T*)a.work;
+    for (u64 j = 0; j < ns || j < nr; ++j) {
       if (j < ns) {  // piece j of the chunk sent: into the right's FIFO once a slot is free there
         if (RC_LEADER) status = wait_for(a, freed, sent + 1 - a.slots, place, call, k, 1);
         RC_BARRIER();
-        if (status) break;
-        const u64 lo = slo + j * per_piece, n = (shi - lo < per_piece ? shi - lo : per_piece);
+        if ((st = status)) break;
+        const u64 lo = slo + j * s_per, n = (shi - lo < s_per ? shi - lo : s_per);
         unsigned char* slot = slot_of(a.right, a, sent);
-        RC_THREADS(t) copy_thread(t, RC_BLOCK, slot, (const unsigned char*)(from + lo), n * isz);
+        if constexpr (half) {
+          if (widen) {  // this rank's own data, sent in float32 (exact) straight into the slot
+            RC_THREADS(t) acc_thread<T, OpSum, ACC_WIDEN>(t, RC_BLOCK, (float*)slot, widen + lo, nullptr, n, 0, 1.0f);
+          }
+        }
+        if (!widen) RC_THREADS(t) copy_thread(t, RC_BLOCK, slot, from + lo * s_isz, n * s_isz);
         RC_BARRIER();
         if (RC_LEADER) st_release(right_ready, ++sent);
       }
       if (j < nr) {  // piece j of the chunk received: out of my FIFO once the left has filled it
         if (RC_LEADER) status = wait_for(a, ready, got + 1, place, call, k, 0);
         RC_BARRIER();
-        if (status) break;
-        const u64 lo = rlo + j * per_piece, n = (rhi - lo < per_piece ? rhi - lo : per_piece);
-        const E* in = (const E*)slot_of(a.mine, a, got);
-        if (row[3]) {
-          RC_THREADS(t) reduce_thread<E, Op>(t, RC_BLOCK, dst + lo, local + lo, in, n, row[4] && a.use_div, a.div);
-        } else {
-          RC_THREADS(t) copy_thread(t, RC_BLOCK, (unsigned char*)(dst + lo), (const unsigned char*)in, n * isz);
+        if ((st = status)) break;
+        const u64 lo = rlo + j * r_per, n = (rhi - lo < r_per ? rhi - lo : r_per);
+        const unsigned char* in = slot_of(a.mine, a, got);
+        if (!row[3]) {
+          RC_THREADS(t) copy_thread(t, RC_BLOCK, (unsigned char*)(dst + lo), in, n * isz);
+        } else if (!wide) {
+          const bool div = row[4] && a.use_div;
+          RC_THREADS(t) reduce_thread<T, Op>(t, RC_BLOCK, dst + lo, local + lo, (const T*)in, n, div, a.div);
+        } else if constexpr (half) {
+          const float* partial = (const float*)in;
+          if (row[4]) {  // the chunk's last reduction: rounded once into work (AVG divides in float32)
+            RC_THREADS(t) acc_thread<T, Op, ACC_FINAL>(t, RC_BLOCK, dst + lo, local + lo, partial, n, a.use_div,
+                                                       (float)a.div);
+          } else {  // a partial sum, kept in float32 in ACC for the next step to send
+            RC_THREADS(t) acc_thread<T, Op, ACC_PARTIAL>(t, RC_BLOCK, (float*)a.acc + lo, local + lo, partial, n, 0,
+                                                         1.0f);
+          }
         }
         RC_BARRIER();
         if (RC_LEADER) st_release(left_freed, ++got);
       }
     }
   }
-  if (status) return;
-  const long long* copies = a.table + 8 * a.nsteps + 2 * a.nchunks;
+  if (st) return;
+  const long long* copies = bounds + 2 * a.nchunks;
   for (int c = 0; c < a.nchunks; ++c) {
     if (!copies[c]) continue;
-    const long long* bounds = a.table + 8 * a.nsteps;
     u64 lo, hi;
     channel_range(a, bounds[2 * c], bounds[2 * c + 1], lo, hi);
     RC_THREADS(t) copy_thread(t, RC_BLOCK, a.work + lo * isz, a.src + lo * isz, (hi - lo) * isz);
@@ -249,12 +278,12 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
 #ifndef RC_HOST_EMULATION
 #define RC_RING_ENTRY(OPNAME, OP, SUFFIX, T)                                                                     \
   extern "C" __global__ void __launch_bounds__(RC_BLOCK) ringcomm_ring_##OPNAME##_##SUFFIX(                       \
-      const long long* table, int nsteps, int nchunks, T* work, const T* src, rc::u64* mine, rc::u64* left,       \
-      rc::u64* right, rc::u64* err, rc::u64 sig, rc::u64 count, rc::u64 timeout_ns, int place, int slots,        \
-      rc::u64 slot_bytes, int use_div, double div) {                                                            \
-    const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, mine, left,   \
-                         right, err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, blockIdx.x,        \
-                         gridDim.x};                                                                             \
+      const long long* table, int nsteps, int nchunks, T* work, const T* src, float* acc, rc::u64* mine,          \
+      rc::u64* left, rc::u64* right, rc::u64* err, rc::u64 sig, rc::u64 count, rc::u64 timeout_ns, int place,     \
+      int slots, rc::u64 slot_bytes, int use_div, double div) {                                                  \
+    const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src,               \
+                         (unsigned char*)acc, mine, left, right, err, sig, count, timeout_ns, slots, slot_bytes, \
+                         use_div, div, blockIdx.x, gridDim.x};                                                   \
     rc::ring_block<T, OP>(a, (rc::u64)place);                                                                     \
   }
 

@@ -619,16 +619,9 @@ class Communicator:
         ring's result; a reduce-scatter its first round alone). With ``ctx.wide``
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
         (``ctx.acc``) for the call, and the engine's loop runs. GPU arrays on a ring whose every edge
-        is "kernel" (RINGCOMM_TRANSPORT=kernel) run as one kernel (ringcomm.executor), but with
-        ``ctx.wide``."""
+        is "kernel" (RINGCOMM_TRANSPORT=kernel) run as one kernel (ringcomm.executor) instead of the
+        engine's loop."""
         link = self._transport(kind)
-        if kind != "host" and link.kernel and not ctx.wide:  # one kernel runs every step (ringcomm.executor)
-            run = self._executor(ctx.device).run
-            algorithm = f"{_schedule_name(ctx)} (one kernel)"
-            self._launch(
-                ctx, count, root, agreed, algorithm, link, len(steps), run, steps, bounds, work, src, result_chunks
-            )
-            return None
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
         elif (plan := self._window_plan(ctx, kind, count, steps, bounds, root)) is not None:
@@ -656,23 +649,13 @@ class Communicator:
             )
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
-        algorithm = _schedule_name(ctx)
-        self._launch(
-            ctx,
-            count,
-            root,
-            agreed,
-            algorithm,
-            link,
-            len(steps),
-            execute,
-            steps,
-            bounds,
-            work,
-            src,
-            link,
-            result_chunks,
-        )
+        if kind != "host" and link.kernel:  # one kernel runs every step (ringcomm.executor)
+            run, algorithm = self._executor(ctx.device).run, f"{_schedule_name(ctx)} (one kernel)"
+            args = (steps, bounds, work, src, result_chunks)
+            self._launch(ctx, count, root, agreed, algorithm, link, len(steps), run, *args)
+        else:
+            args = (steps, bounds, work, src, link, result_chunks)
+            self._launch(ctx, count, root, agreed, _schedule_name(ctx), link, len(steps), execute, *args)
         if ctx.wide:
             self._scratch_done((kind, "partial sums"), ctx.device)
         return None

@@ -23,8 +23,9 @@ record, marks both neighbours aborted (they stop at once, naming the origin) and
 raises the error (:class:`ringcomm.TimeoutError`, :class:`ringcomm.AbortError`,
 :class:`ringcomm.MismatchError`) at the next call or ``check_errors()``.
 
-Not yet run here: accumulate="float32" (the host-driven ring over IPC runs those calls), CUDA graph
-capture, and the one-shot kernel for small sizes.
+With accumulate="float32" on a half type the partial sums live in a float32 scratch (the engine's
+ACC) and travel in float32, as the engine's loop has them. Not yet: a probe at set-up that the
+ranks' blocks run at once, CUDA graph capture (untested), a one-shot kernel for small sizes.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ def region_bytes(channels: int) -> int:
     return fifo_offset(channels) + channels * SLOTS * SLOT_BYTES
 
 
-def step_table(steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any) -> np.ndarray:
+def step_table(
+    steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any, wide: bool = False
+) -> np.ndarray:
     """The int64 table csrc/ring.cu runs (see its header): per step (send chunk, send from, recv
-    chunk, reduce, divide, local from, 0, 0), then every chunk's (lo, hi), then per chunk 1 where
-    it must be copied from src at the end (a result chunk that no step wrote)."""
-    bound, written = bind(steps, len(bounds), in_place, False)
+    chunk, reduce, final, local from, widen from, 0), engine.bind's for these steps; then every
+    chunk's (lo, hi); then per chunk 1 where it must be copied from src at the end (a result chunk
+    that no step wrote). ``wide``: accumulate="float32" (partial sums in ACC, sent in float32)."""
+    bound, written = bind(steps, len(bounds), in_place, wide)
     rows = [
         (
             -1 if st.send is None else st.send,
@@ -87,10 +91,10 @@ def step_table(steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_c
             int(st.reduce),
             int(st.final),
             0 if local_from is None else local_from,
-            0,
+            -1 if widen_from is None else widen_from,
             0,
         )
-        for st, (send_from, _, local_from) in zip(steps, bound)
+        for st, (send_from, widen_from, local_from) in zip(steps, bound)
     ]
     copies = [0] * len(bounds)
     for c in result_chunks:
@@ -161,7 +165,9 @@ class RingExecutor:
         from .devices.cuda import BLOCK, pointer
 
         device = ctx.device
+        acc = ctx.acc
         key = (id(steps), bounds, work is src, tuple(result_chunks), ctx.dtype, ctx.op, ctx.root, ctx.collective)
+        key += (ctx.wide,)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
             call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks)
@@ -171,7 +177,8 @@ class RingExecutor:
         # the calls of a communicator run one after another, as they were made, whatever their
         # streams (each kernel keeps the epoch for the next): after the last one's kernel
         device.after(self.last)
-        args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), *tail)
+        args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), np.uint64(0 if acc is None else pointer(acc)))
+        args += tail
         k((self.channels,), (BLOCK,), args, stream=device.stream)
         self.last = device.record(self.last)
         return sent
@@ -184,7 +191,7 @@ class RingExecutor:
 
         comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
         with device.stream:
-            table = self.cupy.asarray(step_table(steps, bounds, in_place, result_chunks))
+            table = self.cupy.asarray(step_table(steps, bounds, in_place, result_chunks, ctx.wide))
         k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
         head = (np.uint64(table.data.ptr), np.int32(len(steps)), np.int32(len(bounds)))
         tail = (

@@ -22,7 +22,6 @@
 
 #include "../csrc/reduce.cu"
 #include "../csrc/copy.cu"
-#include "../csrc/ring.cu"
 
 #ifdef RC_HOST_CUPY_OPTIONS
 namespace nvrtc_model {
@@ -122,6 +121,10 @@ RC_HD double mul64(double x, double y) { return x * y; }
 #ifdef RC_HOST_CUPY_OPTIONS
 #undef float
 #undef double
+#else
+// (not in the CuPy-options build: there accumulate.cu's float is the model's, which ring.cu does not
+// take; ring.cu has no float arithmetic of its own)
+#include "../csrc/ring.cu"
 #endif
 
 using rc::u64;
@@ -200,12 +203,14 @@ extern "C" {
 // One block (channel) of csrc/ring.cu's ring executor, run to its end on the calling thread; every
 // block of every rank must run at once, each on its own thread (tests/emulated/cupy starts them).
 // op: 0 sum, 1 prod, 2 min, 3 max. -1 for a bad dtype or op.
+#ifndef RC_HOST_CUPY_OPTIONS
 int rc_ring_block(int dtype, int op, unsigned channel, unsigned channels, const long long* table, int nsteps,
-                  int nchunks, void* work, const void* src, u64* mine, u64* left, u64* right, u64* err, u64 sig,
-                  u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div, double div) {
+                  int nchunks, void* work, const void* src, void* acc, u64* mine, u64* left, u64* right, u64* err,
+                  u64 sig, u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div, double div) {
   if (op < 0 || op > 3) return -1;
-  const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, mine, left, right,
-                       err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, channel, channels};
+  const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, (unsigned char*)acc,
+                       mine, left, right, err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, channel,
+                       channels};
   return by_dtype(dtype, [&](auto x) {
     typedef decltype(x) T;
     if (op == 0) rc::ring_block<T, rc::OpSum>(a, (u64)place);
@@ -214,6 +219,7 @@ int rc_ring_block(int dtype, int op, unsigned channel, unsigned channels, const 
     if (op == 3) rc::ring_block<T, rc::OpMax>(a, (u64)place);
   });
 }
+#endif
 
 // Vector accesses found misaligned since the last call (reset to 0 by each call).
 unsigned long long rc_host_misaligned() {

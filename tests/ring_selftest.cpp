@@ -35,7 +35,7 @@ std::vector<long long> steps(const char* what, int n, int r, bool in_place) {
   std::vector<long long> t;
   std::vector<int> written(n, in_place ? 1 : 0);
   auto add = [&](int send, int recv, int reduce) {
-    const long long rows[8] = {send, written[send], recv, reduce, 0, written[recv], 0, 0};
+    const long long rows[8] = {send, written[send], recv, reduce, 0, written[recv], -1, 0};
     t.insert(t.end(), rows, rows + 8);
     written[recv] = 1;
   };
@@ -106,7 +106,7 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
         for (unsigned ch = 0; ch < CHANNELS; ++ch)
           blocks.emplace_back([&, ch] {
             const rc::RingArgs a{tables[i][r].data(), nsteps, n, (unsigned char*)work[i][r].data(),
-                                 (const unsigned char*)src[i][r].data(), ranks[r].ctl.data(),
+                                 (const unsigned char*)src[i][r].data(), nullptr, ranks[r].ctl.data(),
                                  ranks[(r + n - 1) % n].ctl.data(), ranks[(r + 1) % n].ctl.data(), ranks[r].err,
                                  (u64)(1 + (c.what[4] << 8)), c.count, skip_last ? 300000000ull : 60000000000ull,
                                  SLOTS, SLOT_BYTES, 0, 1.0, ch, CHANNELS};

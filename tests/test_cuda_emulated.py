@@ -22,9 +22,11 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
+        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,ipc-stream"  # (those that export user buffers)
         tests = ["tests/gpu/test_cuda_collectives.py", "-k", "every_op_and_dtype or back_to_back"]
     if variant == "ipc-stream":  # every GPU test that communicates, with the step handshake on the streams
         env["RINGCOMM_TRANSPORT"] = "ipc-stream"  # (the kernels' tests open no communicator: run once)
+        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc-stream"  # (the loops over transports ran in pool-exported)
         env["RINGCOMM_EMULATED_WORK_QUEUES"] = "2"  # few work queues, as under MPS: streams share them
         # (but the watchdog's release, which then sits behind the caller's stream: a known limit, README's
         # GPUs; that test runs in the other variants, with CUDA's 8 work queues)

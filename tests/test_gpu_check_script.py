@@ -226,7 +226,7 @@ def test_the_bench_steps_use_the_carried_nccl_only_after_its_smoke_test():
         assert ignored.returncode == 0, ".nccl/ is not git-ignored"
     # order: the smoke test (its output in $OUT), then the bench steps; RINGCOMM_NCCL_LIB is set only when it passed
     smoke = text.index('step "nccl smoke"')
-    assert smoke < text.index("step compile") < text.index('step "ringcomm-bench"') < text.index('step "ipc-stream')
+    assert smoke < text.index("step compile") < text.index('step "ringcomm-bench"') < text.index('step "one-kernel')
     assert re.search(
         r"NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN \$PY '\$NCCL_SMOKE' '\$NCCL_LIB' \\\n\s+"
         r"2>&1 \| tee '\$OUTDIR/nccl_smoke.txt'",
@@ -294,7 +294,7 @@ def test_every_step_with_the_carried_nccl_or_without(tmp_path, carried):
     smoke = [c for c in log if c["args"][0].endswith("gpu_smoke_test.py")]
     bench = [c for c in log if c["args"][:2] == ["-m", "ringcomm.bench"]]
     others = [c for c in log if c not in smoke and c not in bench]
-    assert len(bench) == 2 + 2 * (2 + 4), log  # ringcomm-bench at N = 2; ipc and ipc-stream at N = 2 and 4
+    assert len(bench) == 2 + 2 * (2 + 4), log  # ringcomm-bench at N = 2; ipc and kernel at N = 2 and 4
     assert others and all(c["lib"] is None for c in others), others  # the tests and other benchmarks: CuPy's NCCL
     if carried == "none":
         assert rc == 0 and smoke == [], out

@@ -10,6 +10,7 @@ bitwise agreement with the host path on the same data. One mpiexec launch per N 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import numpy as np
@@ -45,10 +46,14 @@ def _use_local_gpu() -> None:
 
 
 def transports() -> list[str]:
+    """The GPU transports the tests loop over: every one this machine has, or those of them that
+    RINGCOMM_TEST_TRANSPORTS names (comma-separated; tests/test_cuda_emulated.py runs each variant
+    of the emulated GPU with the transports it is about)."""
     names = ["ipc", "staged", "ipc-stream", "kernel"]
     if staged.cuda_aware_mpi():
         names.append("mpi")
-    return names
+    wanted = os.environ.get("RINGCOMM_TEST_TRANSPORTS", "").strip()
+    return [t for t in names if t in wanted.split(",")] if wanted else names
 
 
 def counts(n: int) -> list[int]:

@@ -1316,10 +1316,8 @@ def _lib():
         lib.rc_host_widen.argtypes = [ctypes.c_int, vp, vp, u64, u64]
         lib.rc_host_misaligned.restype = u64
         i32 = ctypes.c_int
-        lib.rc_ring_block.argtypes = (
-            [i32, i32, ctypes.c_uint, ctypes.c_uint, vp, i32, i32, vp, vp, vp, vp, vp, vp, u64, u64, u64, i32, i32, u64]
-            + [i32, ctypes.c_double]
-        )  # fmt: skip
+        lib.rc_ring_block.argtypes = [i32, i32, ctypes.c_uint, ctypes.c_uint, vp, i32, i32] + [vp] * 7
+        lib.rc_ring_block.argtypes += [u64, u64, u64, i32, i32, u64, i32, ctypes.c_double]
         _harness = lib
     return _harness
 
@@ -1446,14 +1444,14 @@ class _Kernel:
     def _launch_ring(self, blocks: int, vals: list, parts: list[str], touch, stream: Stream) -> None:
         """csrc/ring.cu: every pointer checked (the control blocks over their FIFOs, the error record
         in pinned host memory), then queued to run all its blocks at once (_Running)."""
-        table, nsteps, nchunks, work, src, mine, left, right, err, sig, count, timeout, place, slots, slot_bytes = vals[
-            :15
-        ]
-        use_div, div = vals[15:]
+        table, nsteps, nchunks, work, src, acc, mine, left, right, err, sig, count, timeout = vals[:13]
+        place, slots, slot_bytes, use_div, div = vals[13:]
         item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
         touch(table, (8 * nsteps + 3 * nchunks) * 8)
         touch(work, count * item)
         touch(src, count * item)
+        if acc:
+            touch(acc, count * 4)
         ctl = (-(-(3 * blocks + 1) * 128 // 4096) * 4096) + blocks * slots * slot_bytes  # RC_RING_FIFO_OFFSET + FIFO
         for p in (mine, left, right):
             touch(p, ctl)
@@ -1463,7 +1461,7 @@ class _Kernel:
 
         def body(block: int) -> None:
             rc = _lib().rc_ring_block(
-                dt, op, block, blocks, table, nsteps, nchunks, work, src, mine, left, right, err, sig, count,
+                dt, op, block, blocks, table, nsteps, nchunks, work, src, acc, mine, left, right, err, sig, count,
                 timeout, place, slots, slot_bytes, use_div, div,
             )  # fmt: skip
             assert rc == 0
