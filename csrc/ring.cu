@@ -179,9 +179,12 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
     call = ld_relaxed(state + 2) + 1;
   }
   RC_BARRIER();
-  // the header: sent as a piece of its own, checked against this rank's call
+  // the header: sent as a piece of its own, checked against this rank's call; nothing is sent once
+  // the ring is aborted (an earlier call that failed did not keep its epoch: its header would lie)
   if (RC_LEADER) {
-    status = wait_for(a, freed, sent + 1 - a.slots, place, call, -1, 1);
+    const u64 origin = ld_acquire(line(a.mine, 3 * a.channels));
+    status = origin ? fail(a, RC_RING_ABORTED, origin, call, -1, 0, 0, 0, 0)
+                    : wait_for(a, freed, sent + 1 - a.slots, place, call, -1, 1);
     if (!status) {
       u64* h = (u64*)slot_of(a.right, a, sent);
       st_relaxed(h, call);

@@ -24,8 +24,14 @@ raises the error (:class:`ringcomm.TimeoutError`, :class:`ringcomm.AbortError`,
 :class:`ringcomm.MismatchError`) at the next call or ``check_errors()``.
 
 With accumulate="float32" on a half type the partial sums live in a float32 scratch (the engine's
-ACC) and travel in float32, as the engine's loop has them. Not yet: a probe at set-up that the
-ranks' blocks run at once, CUDA graph capture (untested), a one-shot kernel for small sizes.
+ACC) and travel in float32, as the engine's loop has them.
+
+CUDA graphs: a call made while its stream captures is captured as its one kernel node (its step
+table, made on a stream of its own when the kind of call is new, kept while the executor lives);
+every replay runs the collective again (the epoch is in device memory). A capture may not depend
+on work outside it, so captured calls are not ordered after the eager ones on other streams: the
+caller orders the graph's stream with them, as for NCCL. Not yet: a probe at set-up that the ranks'
+blocks run at once, a one-shot kernel for small sizes.
 """
 
 from __future__ import annotations
@@ -146,6 +152,8 @@ class RingExecutor:
         #: per kind of call (steps, bounds, in place, dtype, op, root): (steps, kernel, arguments
         #: before and after the buffers', bytes sent, the step table in device memory)
         self.calls: OrderedDict[tuple, tuple] = OrderedDict()
+        self.captured: dict[int, Any] = {}  # step tables launched in a CUDA graph capture (kept while this lives)
+        self.setup: Any = None  # a stream for the copies of step tables made during a capture
         self.last: Any = None  # the end of the last kernel (devices.cuda.LastUse): where the next call begins
         log.debug(
             "ring executor on rank %d/%d: device %d, %d channels x %d slots x %d B (%d B of device memory)",
@@ -173,14 +181,22 @@ class RingExecutor:
             call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks)
         else:
             self.calls.move_to_end(key)
-        _, k, head, tail, sent, _ = call
+        _, k, head, tail, sent, table = call
+        stream = device.stream
+        capturing = stream.is_capturing()
         # the calls of a communicator run one after another, as they were made, whatever their
-        # streams (each kernel keeps the epoch for the next): after the last one's kernel
-        device.after(self.last)
+        # streams (each kernel keeps the epoch for the next): after the last one's kernel. (Not
+        # in a capture, which may not depend on work outside it: a graph's replays are ordered
+        # by the stream they are launched on, the eager calls' order with them is the caller's.)
+        if not capturing:
+            device.after(self.last)
         args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), np.uint64(0 if acc is None else pointer(acc)))
         args += tail
-        k((self.channels,), (BLOCK,), args, stream=device.stream)
-        self.last = device.record(self.last)
+        k((self.channels,), (BLOCK,), args, stream=stream)
+        if capturing:
+            self.captured[id(table)] = table  # (a graph may replay it for as long as the executor lives)
+        else:
+            self.last = device.record(self.last)
         return sent
 
     def _prepare(self, key: tuple, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks):
@@ -190,8 +206,16 @@ class RingExecutor:
         from .devices.cuda import _OP_NAME, SUFFIX, kernel
 
         comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
-        with device.stream:
-            table = self.cupy.asarray(step_table(steps, bounds, in_place, result_chunks, ctx.wide))
+        host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
+        if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
+            if self.setup is None:
+                self.setup = self.cupy.cuda.Stream(non_blocking=True)
+            with self.setup:
+                table = self.cupy.asarray(host)
+            self.setup.synchronize()
+        else:
+            with device.stream:
+                table = self.cupy.asarray(host)
         k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
         head = (np.uint64(table.data.ptr), np.int32(len(steps)), np.int32(len(bounds)))
         tail = (
@@ -211,7 +235,9 @@ class RingExecutor:
         sent = sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
         call = self.calls[key] = (steps, k, head, tail, sent, table)
         if len(self.calls) > CALLS:  # its table kept until the kernels that may read it are done
-            device.retire(self.calls.popitem(last=False)[1][-1], self.last)
+            gone = self.calls.popitem(last=False)[1][-1]
+            if id(gone) not in self.captured:
+                device.retire(gone, self.last)
         return call
 
     def failure(self) -> BaseException | None:

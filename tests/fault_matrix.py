@@ -86,7 +86,8 @@ def settle(comm, xp) -> None:
 
 def run_case(name: str, call, timeout: float, xp) -> dict:
     comm = ringcomm.Communicator(WORLD, timeout=timeout)
-    comm.all_reduce(xp.ones(64, xp.float32))  # a good call first
+    comm.all_reduce(xp.ones(64, xp.float32))  # a good call first, done before the fault
+    settle(comm, xp)
     t0 = time.monotonic()
     try:
         call(comm)
@@ -108,6 +109,7 @@ def run_stuck(timeout: float, xp) -> dict:
     survivors = WORLD.Split(0 if r != victim else MPI.UNDEFINED)
     comm = ringcomm.Communicator(WORLD, timeout=timeout)
     comm.all_reduce(xp.ones(64, xp.float32))
+    settle(comm, xp)  # (done before the stop: the emulated GPU's kernels stop with their process)
     x = xp.ones(16 * n * 1024, xp.float32)
     WORLD.Barrier()
     if r == victim:
@@ -134,6 +136,7 @@ def run_exit(timeout: float, xp) -> None:
     r, n = WORLD.rank, WORLD.size
     comm = ringcomm.Communicator(WORLD, timeout=timeout)
     comm.all_reduce(xp.ones(64, xp.float32))
+    settle(comm, xp)
     x = xp.ones(16 * n * 1024, xp.float32)
     WORLD.Barrier()
     if r == n - 1:

@@ -294,6 +294,49 @@ def test_calls_alternating_between_two_streams_without_host_syncs():
             assert (host(shard) == want).all(), f"{transport}: reduce_scatter {i} (stream {i % 2}) corrupted"
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_replay():
+    """RINGCOMM_TRANSPORT=kernel: collectives called while a stream captures become the graph's
+    kernel nodes (a kind of call new to the communicator included: its step table is made on a
+    stream of its own); each of 1000 replays runs them again, on inputs rewritten between replays,
+    and gives the right result (the epoch lives in device memory); eager calls go on after it."""
+    if "kernel" not in transports():
+        pytest.skip("RINGCOMM_TEST_TRANSPORTS leaves out kernel")
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = comm_with("kernel")
+    count = 1003  # (not a multiple of 16 n: chunks of different sizes, a short last one)
+    x = cupy.zeros(count, cupy.float32)
+    y = cupy.empty_like(x)
+    gathered = cupy.empty(16 * n, cupy.int64)
+    b = cupy.empty(40, cupy.float64)
+    comm.all_reduce(x, out=y)  # an eager call of one kind first
+    cupy.cuda.Device().synchronize()  # (ordering eager calls with a capture on another stream is the caller's)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        comm.all_reduce(x, out=y, stream=s)
+        comm.all_reduce(y, op="max", stream=s)  # in place: a kind made during the capture
+        comm.all_gather(gathered[16 * r : 16 * (r + 1)], out=gathered, stream=s)
+        comm.broadcast(b, root=n - 1, stream=s)
+        graph = s.end_capture()
+    want_gather = np.repeat(np.arange(n), 16)
+    for i in range(1000):
+        with s:
+            x[...] = i + r
+            gathered[16 * r : 16 * (r + 1)] = r
+            b[...] = i if r == n - 1 else -1
+        graph.launch(stream=s)
+        got = y.get(stream=s)
+        assert (got == n * i + n * (n - 1) // 2).all(), f"replay {i}: all_reduce gave {got[:4]}"
+        assert (gathered.get(stream=s) == want_gather).all(), f"replay {i}: all_gather"
+        assert (b.get(stream=s) == i).all(), f"replay {i}: broadcast"
+    comm.all_reduce(x, out=y)
+    assert (host(y) == n * 999 + n * (n - 1) // 2).all()
+    comm.check_errors()
+
+
 @pytest.mark.parallel(nprocs=[2])
 def test_arrays_ringcomm_allocates_belong_to_the_call_stream():
     """reduce_scatter's result and all_gather's output (out=None) are allocated by ringcomm and

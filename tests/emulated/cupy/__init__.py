@@ -40,6 +40,11 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   CUDA_DEVICE_MAX_CONNECTIONS (CUDA's default 8); RINGCOMM_EMULATED_WORK_QUEUES=<k> overrides it
   (under MPS the clients share one pool of work queues, so each gets fewer: an H200 under MPS hung
   on a write queued 4 streams after the wait it was to release, and did not without MPS).
+- CUDA graphs: ``Stream.begin_capture()`` / ``end_capture()`` / ``is_capturing()`` and
+  ``Graph.launch(stream)``: kernels queued while a stream captures become the graph's nodes, and a
+  launch queues them again (a ring kernel as a new run of its blocks). Anything else queued on a
+  capturing stream (a copy, a wait on an event, an event record, a synchronize) is refused with
+  CUDA's capture errors and invalidates the capture (CUDA allows event records there: stricter).
 - NCCL: ``cupy.cuda.nccl`` (_nccl.py) with CuPy 14's signatures, its collectives done with MPI and
   queued on the given stream; RINGCOMM_EMULATED_NCCL_VERSION picks the NCCL version it reports.
 - devices: RINGCOMM_EMULATED_DEVICES=<n> (default 1) devices, the same n in every process of a node
@@ -636,6 +641,7 @@ class Stream:
         self._queue: collections.deque = collections.deque()
         self._last_memop = None
         self._work_queue = None if null else next(_work_queue_ids) % _WORK_QUEUES
+        self._capture: list | None = None  # begin_capture(): the kernels captured so far
         with _lock:
             Stream._by_ptr[self.ptr] = self
 
@@ -648,6 +654,9 @@ class Stream:
         return m
 
     def _enqueue(self, fn) -> None:
+        if self._capture is not None:
+            self._captured(fn)
+            return
         with _lock:
             if self.ptr == 0:  # the current device's null stream: after that device's blocking streams
                 dev = _current_device()
@@ -721,8 +730,46 @@ class Stream:
                 self._advance(upto)
 
     def synchronize(self) -> None:
+        self._refuse_in_capture()
         self._host_wait(None)
         _check_violations()
+
+    # ---- CUDA graphs (stream capture): kernels only, as ringcomm captures them
+    def begin_capture(self, mode=None) -> None:
+        """cudaStreamBeginCapture (CuPy's default mode, relaxed: other streams may still allocate,
+        copy and synchronize). Refused on the legacy null stream and on a stream already capturing."""
+        if self.ptr == 0 or self._capture is not None:
+            raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
+        self._capture = []
+
+    def is_capturing(self) -> bool:
+        return self._capture is not None
+
+    def end_capture(self) -> Graph:
+        """cudaStreamEndCapture: the graph of what was captured; cudaErrorStreamCaptureInvalidated
+        when an operation refused during the capture invalidated it."""
+        captured, self._capture = self._capture, None
+        if captured is None:
+            raise CUDARuntimeError(1)  # cudaErrorInvalidValue: not capturing
+        if _INVALIDATED in captured:
+            raise CUDARuntimeError(901)  # cudaErrorStreamCaptureInvalidated
+        return Graph(captured)
+
+    def _captured(self, fn) -> None:
+        """Work queued while capturing: a kernel becomes a node of the graph. Anything else the
+        emulation does not capture is refused as CUDA refuses an operation the capture cannot hold
+        (a copy from pageable host memory, a wait on an event recorded outside the capture:
+        cudaErrorStreamCaptureUnsupported / Isolation), which also invalidates the capture."""
+        if isinstance(fn, _Running) or getattr(fn, "kernel", False):
+            self._capture.append(fn)
+            return
+        self._capture.append(_INVALIDATED)
+        raise CUDARuntimeError(906 if isinstance(fn, _Wait) else 900)
+
+    def _refuse_in_capture(self) -> None:
+        if self._capture is not None:  # a synchronization of a capturing stream: refused, invalidating
+            self._capture.append(_INVALIDATED)
+            raise CUDARuntimeError(900)
 
     def wait_event(self, event: Event) -> None:
         if event._stream is not None:
@@ -750,6 +797,23 @@ class Stream:
         with _lock:
             m = self._mark()
             return m is None or self._advance(m) is True
+
+
+_INVALIDATED = object()  # a capture's mark: an operation it could not hold was refused
+
+
+class Graph:
+    """cupy.cuda.graph.Graph: ``launch(stream=None)`` queues every captured kernel again, in order,
+    on ``stream`` (default: the current one), with the arguments they were captured with (a ring
+    kernel as a new run of its blocks)."""
+
+    def __init__(self, nodes: list) -> None:
+        self._nodes = list(nodes)
+
+    def launch(self, stream: Stream | None = None) -> None:
+        stream = stream if stream is not None else get_current_stream()
+        for node in self._nodes:
+            stream._enqueue(_Running(node.blocks, node.body, node.done) if isinstance(node, _Running) else node)
 
 
 Stream.null = Stream(null=True)
@@ -1439,6 +1503,7 @@ class _Kernel:
             if bad:
                 raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
 
+        checked.kernel = True  # (a node a CUDA graph may capture)
         stream._enqueue(checked)
 
     def _launch_ring(self, blocks: int, vals: list, parts: list[str], touch, stream: Stream) -> None:
@@ -1671,6 +1736,7 @@ driver = types.SimpleNamespace(
 
 
 cuda = types.SimpleNamespace(
+    graph=types.SimpleNamespace(Graph=Graph),
     Stream=Stream,
     ExternalStream=ExternalStream,
     Event=Event,
