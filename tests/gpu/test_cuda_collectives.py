@@ -300,8 +300,6 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     kernel nodes (a kind of call new to the communicator included: its step table is made on a
     stream of its own); each of 1000 replays runs them again, on inputs rewritten between replays,
     and gives the right result (the epoch lives in device memory); eager calls go on after it."""
-    if "kernel" not in transports():
-        pytest.skip("RINGCOMM_TEST_TRANSPORTS leaves out kernel")
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
