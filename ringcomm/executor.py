@@ -55,10 +55,10 @@ CHANNELS = 8
 #: FIFO slots per channel, and bytes per slot (a piece of a chunk)
 SLOTS = 4
 SLOT_BYTES = 64 << 10
-#: csrc/ring.cu's layout: u64 words per 128-byte line; error-record words; failure kinds
-LINE_WORDS = 16
+#: csrc/ring.cu's error record: its u64 words (RC_RING_ERR_WORDS), and the failure kinds it records
+#: beside a timeout (RC_RING_ABORTED, RC_RING_MISMATCH)
 ERR_WORDS = 16
-TIMEOUT, ABORTED, MISMATCH = 1, 2, 3
+ABORTED, MISMATCH = 2, 3
 #: kinds of call (collective, count, dtype, op, root, in place) whose step table and launch
 #: arguments are kept
 CALLS = 64

@@ -83,3 +83,16 @@ def test_a_missing_acquire_or_release_is_a_reported_race(programs, build):
     run = _run(programs, build)
     assert "WARNING: ThreadSanitizer: data race" in run.stderr, (run.stdout + run.stderr)[-3000:]
     assert run.returncode == 66
+
+
+def test_the_executor_lays_out_memory_and_reads_failures_as_ring_cu_does():
+    """ringcomm/executor.py's copies of csrc/ring.cu's constants: the FIFO's offset, the error
+    record's size, the failure kinds."""
+    from ringcomm import executor
+
+    text = (ROOT / "csrc" / "ring.cu").read_text()
+    assert "#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1) * 128) + 4095) / 4096 * 4096)" in text
+    assert [executor.fifo_offset(c) for c in (1, 8, 10, 11)] == [4096, 4096, 4096, 8192]
+    assert f"#define RC_RING_ERR_WORDS {executor.ERR_WORDS}\n" in text
+    assert f"#define RC_RING_ABORTED {executor.ABORTED}\n" in text
+    assert f"#define RC_RING_MISMATCH {executor.MISMATCH}\n" in text

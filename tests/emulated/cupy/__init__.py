@@ -1517,7 +1517,9 @@ class _Kernel:
         touch(src, count * item)
         if acc:
             touch(acc, count * 4)
-        ctl = (-(-(3 * blocks + 1) * 128 // 4096) * 4096) + blocks * slots * slot_bytes  # RC_RING_FIFO_OFFSET + FIFO
+        from ringcomm.executor import fifo_offset  # (csrc/ring.cu's layout)
+
+        ctl = fifo_offset(blocks) + blocks * slots * slot_bytes
         for p in (mine, left, right):
             touch(p, ctl)
         if not any(b.ptr <= err and err + 16 * 8 <= b.ptr + len(b) for b in list(_pinned.values())):
