@@ -4,7 +4,8 @@
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
 something waits for it; so the CUDA device, the IPC and staged transports, their handshakes and
-the GPU tests themselves run end to end at N = 1, 2, 4. Skipped without a C++ compiler or mpiexec.
+the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests). Skipped without a
+C++ compiler or mpiexec.
 Where a real CuPy is installed, the GPU tests run on the GPU instead and this test is skipped.
 """
 
@@ -36,6 +37,7 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         tests += ["-m", "not parallel[4]"]
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
+        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,ipc-stream,kernel"  # (those of IPC edges: across the GPUs here)
         tests = [
             "tests/gpu/test_cuda_topology.py",
             "tests/gpu/test_cuda_collectives.py",
