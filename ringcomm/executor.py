@@ -36,17 +36,19 @@ blocks run at once, a one-shot kernel for small sizes.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer, sm_count
 from .engine import Context, bind
 from .errors import AbortError, MismatchError, TimeoutError
-from .ops import AVG, FLOAT_DTYPES
+from .ops import AVG, FLOAT_DTYPES, OPS
 from .schedule import Bounds, Step
+from .transports.base import abandon, wait
+from .transports.ipc import _words
 
 log = logging.getLogger("ringcomm")
 
@@ -116,10 +118,6 @@ class RingExecutor:
     def __init__(self, comm: Any, device: Any) -> None:
         import cupy
 
-        from .devices.cuda import sm_count
-        from .transports.base import wait
-        from .transports.ipc import _words
-
         self.comm, self.cupy = comm, cupy
         rt = cupy.cuda.runtime
         self.device_id = int(rt.getDevice())
@@ -170,8 +168,6 @@ class RingExecutor:
         self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, work: Any, src: Any, result_chunks: Any = ()
     ) -> int:
         """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent."""
-        from .devices.cuda import BLOCK, pointer
-
         device = ctx.device
         acc = ctx.acc
         key = (id(steps), bounds, work is src, tuple(result_chunks), ctx.dtype, ctx.op, ctx.root, ctx.collective)
@@ -203,8 +199,6 @@ class RingExecutor:
         """What every call like this one launches (kept by ``key``, at most CALLS): the step table
         in device memory (copied in on the call's stream), the kernel, its arguments but the
         buffers', and the payload bytes sent."""
-        from .devices.cuda import _OP_NAME, SUFFIX, kernel
-
         comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
         host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
@@ -273,8 +267,6 @@ class RingExecutor:
     def close(self) -> None:
         """Wait for the kernels queued (each ends within the deadline), close the neighbours'
         mappings, and free the allocation once both neighbours have closed theirs (collective)."""
-        from .transports.base import abandon, wait
-
         comm, rt = self.comm, self.cupy.cuda.runtime
         if self.last is not None:
             self.last.event.synchronize()
@@ -292,35 +284,26 @@ class RingExecutor:
         self.memory = None
 
 
+#: the header word's codes of ops and dtypes (1 + the place here; 0: no op)
+_OPS = tuple(dict.fromkeys(OPS.values()))
+_DTYPES = tuple(SUFFIX)
+
+
 def signature(collective: str, dtype: np.dtype, op: Any, root: int) -> int:
     """The call's header word: collective, dtype, op and root (csrc/ring.cu compares it)."""
-    from .ops import OPS
-
-    ops = list(dict.fromkeys(OPS.values()))
     return (
         COLLECTIVE_CODES[collective]
-        | (_dtype_code(dtype) << 8)
-        | ((0 if op is None else 1 + ops.index(op)) << 16)
+        | ((1 + _DTYPES.index(np.dtype(dtype))) << 8)
+        | ((0 if op is None else 1 + _OPS.index(op)) << 16)
         | ((root + 1) << 24)
     )
 
 
-@functools.cache
-def _dtype_code(dtype: np.dtype) -> int:
-    from .devices.cuda import SUFFIX
-
-    return 1 + list(SUFFIX).index(np.dtype(dtype))
-
-
 def describe(sig: int, count: int) -> str:
     """A header word and count for people: "all_reduce of 1000 float32 (sum), root -1"."""
-    from .devices.cuda import SUFFIX
-    from .ops import OPS
-
-    ops = list(dict.fromkeys(OPS.values()))
     code, dt, op, root = sig & 0xFF, (sig >> 8) & 0xFF, (sig >> 16) & 0xFF, (sig >> 24) - 1
-    dtype = list(SUFFIX)[dt - 1] if 0 < dt <= len(SUFFIX) else f"dtype #{dt}"
+    dtype = _DTYPES[dt - 1] if 0 < dt <= len(_DTYPES) else f"dtype #{dt}"
     what = f"{_CODE_NAMES.get(code, f'collective #{code}')} of {count} {dtype}"
     if op:
-        what += f" ({ops[op - 1]})"
+        what += f" ({_OPS[op - 1]})"
     return what + (f", root {root}" if root >= 0 else "")

@@ -130,8 +130,9 @@ def test_entry_points_match_the_loader():
         assert f"RC_REDUCE_OPS({suffix}," in text["reduce.cu"], name
         assert f"RC_REDUCE_ENTRY({op}," in text["reduce.cu"], name
     assert "ringcomm_copy(" in text["copy.cu"]
-    for suffix, ctype in cuda._C_TYPES.items():  # ring.cu: one kernel per op and dtype, compiled one at a time
-        assert f"RC_RING_OPS({suffix}, {ctype})" in text["ring.cu"], suffix
+    for suffix in cuda.SUFFIX.values():  # ring.cu: one kernel per op and dtype, compiled one at a time
+        assert f"RC_RING_OPS({suffix}," in text["ring.cu"], suffix
+        assert cuda.ring_entry(f"ringcomm_ring_sum_{suffix}").startswith(f"RC_RING_ENTRY(sum, rc::OpSum, {suffix}, ")
     for op in ("sum", "prod", "min", "max"):
         assert f"RC_RING_ENTRY({op}, rc::Op{op.capitalize()}, SUFFIX, T)" in text["ring.cu"], op
     acc = text["accumulate.cu"]

@@ -146,24 +146,6 @@ NVRTC_FIX = (
 )
 
 
-#: csrc/ring.cu's kernels are compiled one at a time (48 of them take NVRTC about 40 s): the C type
-#: of each dtype suffix, for the one RC_RING_ENTRY line added to the file's text
-_C_TYPES = {
-    "f16": "rc::half_t",
-    "bf16": "rc::bf16_t",
-    "f32": "float",
-    "f64": "double",
-    "i8": "signed char",
-    "u8": "unsigned char",
-    "i16": "short",
-    "u16": "unsigned short",
-    "i32": "int",
-    "u32": "unsigned int",
-    "i64": "long long",
-    "u64": "unsigned long long",
-}
-
-
 def _module_source(file: str, name: str) -> tuple[str, str, tuple[str, ...]]:
     """(module key, code, options) of the module that holds kernel ``name`` of csrc/<file>: the whole
     file, but for ring.cu only the entry ``ringcomm_ring_<op>_<suffix>`` (RC_RING_ONE_ENTRY)."""
@@ -173,9 +155,13 @@ def _module_source(file: str, name: str) -> tuple[str, str, tuple[str, ...]]:
 
 
 def ring_entry(name: str) -> str:
-    """The line of csrc/ring.cu that defines kernel ``ringcomm_ring_<op>_<suffix>``."""
+    """The line that defines kernel ``ringcomm_ring_<op>_<suffix>`` alone (csrc/ring.cu's kernels are
+    compiled one at a time: 48 of them take NVRTC about 40 s), its C type from ring.cu's own list."""
     op, suffix = name.split("_")[2:4]
-    return f"RC_RING_ENTRY({op}, rc::Op{op.capitalize()}, {suffix}, {_C_TYPES[suffix]})\n"
+    listed = re.search(rf"^RC_RING_OPS\({re.escape(suffix)}, ([^)]+)\)$", _csrc_text("ring.cu"), re.M)
+    if listed is None:
+        raise RuntimeError(f"csrc/ring.cu lists no kernels for dtype suffix {suffix!r}")
+    return f"RC_RING_ENTRY({op}, rc::Op{op.capitalize()}, {suffix}, {listed[1]})\n"
 
 
 def kernel(file: str, name: str) -> Any:
