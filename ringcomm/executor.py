@@ -47,7 +47,7 @@ from .engine import Context, bind
 from .errors import AbortError, MismatchError, TimeoutError
 from .ops import AVG, FLOAT_DTYPES, OPS
 from .schedule import Bounds, Step
-from .transports.base import abandon, wait
+from .transports.base import abandon, wait, wait_until
 from .transports.ipc import _words
 
 log = logging.getLogger("ringcomm")
@@ -217,7 +217,7 @@ class RingExecutor:
             np.uint64(self.left_ptr),
             np.uint64(self.right_ptr),
             np.uint64(self.err_ptr),
-            np.uint64(signature(ctx.collective, dtype, op, ctx.root)),
+            np.uint64(signature(ctx.collective, dtype, op, ctx.root, ctx.wide)),
             np.uint64(bounds[-1][1] if bounds else 0),  # the call's count
             np.uint64(int(comm.timeout * 1e9)),
             np.int32(comm.position),
@@ -265,15 +265,21 @@ class RingExecutor:
         return TimeoutError(collective, step_no, comm.rank, peer, comm.timeout, what)
 
     def close(self) -> None:
-        """Wait for the kernels queued (each ends within the deadline), close the neighbours'
-        mappings, and free the allocation once both neighbours have closed theirs (collective)."""
+        """Wait for the kernels queued (each ends within the deadline; the wait has it too), close the
+        neighbours' mappings, and free the allocation once both neighbours have closed theirs
+        (collective)."""
         comm, rt = self.comm, self.cupy.cuda.runtime
-        if self.last is not None:
-            self.last.event.synchronize()
+        ctx = Context("closing the ring executor", comm, comm._host, np.dtype(np.uint8), None)
+        if self.last is not None:  # (under the deadline too: a kernel that never started does not end)
+            last = self.last.event
+            try:
+                wait_until(lambda: last.done, ctx, None, comm.left, "this rank's last ring kernel")
+            except BaseException:
+                self._opened.clear()  # the mappings and the allocation stay: the kernel may still run
+                raise
         for ptr in self._opened:
             rt.ipcCloseMemHandle(ptr)
         self._opened.clear()
-        ctx = Context("closing the ring executor", comm, comm._host, np.dtype(np.uint8), None)
         try:
             wait([comm.mpi.Ibarrier()], ctx, None, comm.left, "every rank's ring executor closed")
         except BaseException:
@@ -289,21 +295,23 @@ _OPS = tuple(dict.fromkeys(OPS.values()))
 _DTYPES = tuple(SUFFIX)
 
 
-def signature(collective: str, dtype: np.dtype, op: Any, root: int) -> int:
-    """The call's header word: collective, dtype, op and root (csrc/ring.cu compares it)."""
+def signature(collective: str, dtype: np.dtype, op: Any, root: int, wide: bool = False) -> int:
+    """The call's header word: collective, dtype, op, root and accumulate="float32" (``wide``: its
+    partial sums travel in float32), which csrc/ring.cu compares."""
     return (
         COLLECTIVE_CODES[collective]
         | ((1 + _DTYPES.index(np.dtype(dtype))) << 8)
         | ((0 if op is None else 1 + _OPS.index(op)) << 16)
         | ((root + 1) << 24)
+        | (int(wide) << 40)
     )
 
 
 def describe(sig: int, count: int) -> str:
     """A header word and count for people: "all_reduce of 1000 float32 (sum), root -1"."""
-    code, dt, op, root = sig & 0xFF, (sig >> 8) & 0xFF, (sig >> 16) & 0xFF, (sig >> 24) - 1
+    code, dt, op, root = sig & 0xFF, (sig >> 8) & 0xFF, (sig >> 16) & 0xFF, ((sig >> 24) & 0xFFFF) - 1
     dtype = _DTYPES[dt - 1] if 0 < dt <= len(_DTYPES) else f"dtype #{dt}"
     what = f"{_CODE_NAMES.get(code, f'collective #{code}')} of {count} {dtype}"
     if op:
-        what += f" ({_OPS[op - 1]})"
+        what += f" ({_OPS[op - 1]}{', accumulate=float32' if sig >> 40 & 1 else ''})"
     return what + (f", root {root}" if root >= 0 else "")

@@ -57,6 +57,10 @@ def _cases(xp, r: int, n: int) -> dict:
             lambda c: c.all_reduce(ones(big, xp.int32 if r == 0 else f32)),
         ),
         "op": ("max on rank 0, sum elsewhere", lambda c: c.all_reduce(ones(big), "max" if r == 0 else "sum")),
+        "accumulate": (
+            'float16 with accumulate="float32" on rank 0, without elsewhere',
+            lambda c: c.all_reduce(ones(big, xp.float16), accumulate="float32" if r == 0 else None),
+        ),
         "op (small)": (
             "max on rank 0, sum elsewhere, 40 B",
             lambda c: c.all_reduce(ones(10), "max" if r == 0 else "sum"),
