@@ -24,7 +24,7 @@ from .engine import (
     execute,
     sent_bytes,
 )
-from .errors import AbortError, MismatchError, RingcommError
+from .errors import AbortError, MismatchError, NotCoResident, RingcommError
 from .ops import ReduceOp, parse_accumulate
 from .schedule import Bounds, partition
 from .transports.base import abandon, wait
@@ -395,6 +395,15 @@ class Communicator:
         link = self._transports.get(kind)
         if link is None:
             link = self._transports[kind] = self._guarded(lambda: transports.select(self, kind))
+            if link.kernel:  # the executor's set-up probes that every rank's blocks run at once
+                from .executor import RingExecutor
+
+                try:
+                    ex = self._guarded(lambda: RingExecutor(self, link.channels))
+                except NotCoResident as e:
+                    link.keep_host_driven(str(e))
+                else:
+                    self._executors[ex.device_id] = ex
         return link
 
     def _small(self, kind: str) -> int:
@@ -445,13 +454,14 @@ class Communicator:
                     self._late_error = error
                     return
 
-    def _executor(self, device: Any) -> Any:
-        """The ring executor on ``device``'s GPU (made on first use: collective)."""
+    def _executor(self, device: Any, link: Any) -> Any:
+        """The ring executor on ``device``'s GPU (made with the link; for another GPU on its first
+        use there: collective)."""
         ex = self._executors.get(device.device_id)
         if ex is None:
             from .executor import RingExecutor
 
-            ex = self._executors[device.device_id] = self._guarded(lambda: RingExecutor(self, device))
+            ex = self._executors[device.device_id] = self._guarded(lambda: RingExecutor(self, link.channels))
         return ex
 
     def _usable(self) -> None:
@@ -467,11 +477,11 @@ class Communicator:
     def _guarded(self, fn: Any) -> Any:
         """Run the exchange ``fn``; a timeout aborts the communicator (a message may still be pending).
 
-        A MismatchError does not: it is raised alike on every rank before any data moved.
+        A MismatchError (or a NotCoResident) does not: it is raised alike on every rank before any data moved.
         """
         try:
             return fn()
-        except MismatchError:
+        except (MismatchError, NotCoResident):
             raise
         except RingcommError as e:
             self._abort(e)
@@ -650,7 +660,7 @@ class Communicator:
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
         if kind != "host" and link.kernel:  # one kernel runs every step (ringcomm.executor)
-            run, algorithm = self._executor(ctx.device).run, f"{_schedule_name(ctx)} (one kernel)"
+            run, algorithm = self._executor(ctx.device, link).run, f"{_schedule_name(ctx)} (one kernel)"
             args = (steps, bounds, work, src, result_chunks)
             self._launch(ctx, count, root, agreed, algorithm, link, len(steps), run, *args)
         else:

@@ -35,6 +35,12 @@ class MismatchError(RingcommError):
     or size, in the window's call headers, or (``check=True``) in the agreement before any data moves."""
 
 
+class NotCoResident(RingcommError):
+    """The ring kernel's set-up probe (ringcomm.executor): the ranks' blocks did not all run at once.
+    Agreed by every rank, before any data moved, so the communicator stays usable (the ring stays
+    host-driven)."""
+
+
 class AbortError(RingcommError):
     """Another rank aborted the communicator while this one was in a collective (abort propagation).
 

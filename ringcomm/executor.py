@@ -30,22 +30,30 @@ CUDA graphs: a call made while its stream captures is captured as its one kernel
 table, made on a stream of its own when the kind of call is new, kept while the executor lives);
 every replay runs the collective again (the epoch is in device memory). A capture may not depend
 on work outside it, so captured calls are not ordered after the eager ones on other streams: the
-caller orders the graph's stream with them, as for NCCL. Not yet: a probe at set-up that the ranks'
-blocks run at once, a one-shot kernel for small sizes.
+caller orders the graph's stream with them, as for NCCL. Not yet: a one-shot kernel for small sizes.
+
+Co-residency: every rank's blocks must run at once, or the ring waits on blocks that cannot start.
+At set-up (transports.select) :func:`kernel_fit` keeps the kernel only where each GPU has room for
+one block per SM of every ring kernel it runs (at most half its SMs per rank) and where ranks that
+share a GPU share it through MPS (without MPS their kernels take turns instead of running at once);
+then the executor runs a probe kernel (an empty all-reduce: every channel of every rank exchanges
+its header with both neighbours) under a short deadline. Where either fails, the ring keeps the
+host-driven ipc path and says why (a warning, the DEBUG log, the bench header).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer, sm_count
+from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
 from .engine import Context, bind
-from .errors import AbortError, MismatchError, TimeoutError
-from .ops import AVG, FLOAT_DTYPES, OPS
+from .errors import AbortError, MismatchError, NotCoResident, TimeoutError
+from .ops import AVG, FLOAT_DTYPES, OPS, ReduceOp
 from .schedule import Bounds, Step
 from .transports.base import abandon, wait, wait_until
 from .transports.ipc import _words
@@ -66,6 +74,42 @@ ABORTED, MISMATCH = 2, 3
 CALLS = 64
 COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "reduce": 5}
 _CODE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
+#: seconds the set-up's probe kernel waits for the neighbours' blocks (at most the communicator's timeout)
+PROBE_SECONDS = 5.0
+
+
+def kernel_fit(records: Any) -> tuple[int, str]:
+    """The channels (blocks) of every rank's ring kernel, the same on every rank, from the ranks'
+    transports.PeerRecord (in rank order); or 0 and why the ranks' blocks could not all be resident
+    at once: ranks sharing a GPU without MPS (their contexts take turns on it), or a GPU with fewer
+    SMs than one block per SM for each of its ranks' channels (a rank alone on a GPU takes at most
+    half of its SMs)."""
+    by_gpu: dict[tuple[int, int], list[int]] = {}
+    for rank, record in enumerate(records):
+        by_gpu.setdefault((record.node, record.gpu), []).append(rank)
+    channels = CHANNELS
+    for (node, gpu), ranks in by_gpu.items():
+        where = f"GPU {_bus(gpu)} of node {node}"
+        if len(ranks) > 1 and not all(records[r].mps for r in ranks):
+            without = [r for r in ranks if not records[r].mps]
+            return 0, (
+                f"ranks {', '.join(map(str, ranks))} share {where}, rank(s) {', '.join(map(str, without))} not "
+                "under MPS, so their kernels would take turns instead of running at once: start MPS "
+                "(nvidia-cuda-mps-control -d) before the job"
+            )
+        sms = min(records[r].sms for r in ranks)
+        channels = min(channels, sms // max(2, len(ranks)))
+        if channels < 1:
+            return 0, (
+                f"{where} has {sms} SMs: too few for one block per SM of {len(ranks)} rank(s)' ring kernels "
+                "(at most half of a GPU's SMs per rank)"
+            )
+    return channels, ""
+
+
+def _bus(gpu: int) -> str:
+    """A bus id from transports.bus_id back in CUDA's form "dddd:bb:dd.f"."""
+    return f"{gpu >> 24:04x}:{gpu >> 16 & 0xFF:02x}:{gpu >> 8 & 0xFF:02x}.{gpu & 0xFF:x}"
 
 
 #: every executor's allocation until its close(): a communicator dropped without close() may still be
@@ -113,15 +157,16 @@ def step_table(
 class RingExecutor:
     """One communicator's executor on one device: its dedicated allocation, the neighbours'
     mappings of theirs, the error record, the step tables. Made collectively (exchanges the IPC
-    handles), on the first call that runs here."""
+    handles and runs the probe), at set-up; raises :class:`NotCoResident` (on every rank) where the
+    probe fails, its resources freed."""
 
-    def __init__(self, comm: Any, device: Any) -> None:
+    def __init__(self, comm: Any, channels: int) -> None:
         import cupy
 
         self.comm, self.cupy = comm, cupy
         rt = cupy.cuda.runtime
         self.device_id = int(rt.getDevice())
-        self.channels = max(1, min(CHANNELS, sm_count(self.device_id) // 2))
+        self.channels = channels  # (kernel_fit's: the same on every rank)
         self.nbytes = region_bytes(self.channels)
         self.memory = cupy.cuda.Memory(self.nbytes)  # cudaMalloc: dedicated, exportable
         _mapped_by_peers.append(self.memory)  # (freed by close() alone, once the neighbours unmapped it)
@@ -145,6 +190,7 @@ class RingExecutor:
 
         self.left_ptr = open_peer(left)
         self.right_ptr = self.left_ptr if right == left else open_peer(right)
+        probe = kernel("ring.cu", "ringcomm_ring_sum_u8")  # (compiled before the ranks meet: no skew)
         # every rank's control block is zero before any kernel writes into a neighbour's
         wait([comm.mpi.Ibarrier()], setup, None, left, "the ring executor's set-up")
         #: per kind of call (steps, bounds, in place, dtype, op, root): (steps, kernel, arguments
@@ -162,6 +208,68 @@ class RingExecutor:
             SLOTS,
             SLOT_BYTES,
             self.nbytes,
+        )
+        self._probe(probe, setup)
+
+    def _probe(self, k: Any, setup: Any) -> None:
+        """Run an empty all-reduce (each channel's header to the right, the left's checked) under a
+        deadline of PROBE_SECONDS at most, and agree with every rank whether all ran at once: a
+        block that cannot become resident leaves its neighbours waiting until the deadline. Raises
+        NotCoResident on every rank where any failed (after closing this executor)."""
+        comm, cupy = self.comm, self.cupy
+        seconds = min(comm.timeout, PROBE_SECONDS)
+        self.setup = cupy.cuda.Stream(non_blocking=True)
+        with self.setup:
+            table = cupy.zeros(1, cupy.int64)  # no step, no chunk: the header alone
+        at = np.uint64(table.data.ptr)
+        sig = signature("all_reduce", np.dtype(np.uint8), ReduceOp.SUM, -1)
+        start = time.perf_counter()
+        args = (at, np.int32(0), np.int32(0), at, at, np.uint64(0), *self._ring_args(sig, 0, seconds))
+        args += (np.int32(0), np.float64(1))
+        k((self.channels,), (BLOCK,), args, stream=self.setup)
+        done = cupy.cuda.Event()
+        done.record(self.setup)
+        wait_until(lambda: done.done, setup, None, comm.left, "the ring kernel's probe")
+        elapsed = time.perf_counter() - start
+        failure = self.failure()
+        rows = comm._allgather_ints(
+            setup, np.array([failure is None, int(elapsed * 1e6)], np.int64), "agreeing on the ring kernel's probe"
+        )
+        failed = [r for r in range(comm.size) if not rows[r][0]]
+        if not failed:
+            log.debug(
+                "ring kernel probe on rank %d/%d: every rank's %d blocks ran at once (%d us here, %d us at most)",
+                comm.rank,
+                comm.size,
+                self.channels,
+                rows[comm.rank][1],
+                max(int(row[1]) for row in rows),
+            )
+            return
+        if failure is not None:
+            log.debug("ring kernel probe on rank %d/%d: %s", comm.rank, comm.size, failure)
+        self.err[:] = 0
+        self.close()
+        raise NotCoResident(
+            f"the probe kernel's blocks did not all run at once: rank(s) {', '.join(map(str, failed))} waited "
+            f"{seconds:g} s for a neighbour's (another job holding the GPU's SMs, or ranks sharing a GPU "
+            "without MPS)"
+        )
+
+    def _ring_args(self, sig: int, count: int, seconds: float) -> tuple:
+        """csrc/ring.cu's arguments after the buffers': the memory, the call's header, the deadline."""
+        comm = self.comm
+        return (
+            np.uint64(self.memory.ptr),
+            np.uint64(self.left_ptr),
+            np.uint64(self.right_ptr),
+            np.uint64(self.err_ptr),
+            np.uint64(sig),
+            np.uint64(count),
+            np.uint64(int(seconds * 1e9)),
+            np.int32(comm.position),
+            np.int32(SLOTS),
+            np.uint64(SLOT_BYTES),
         )
 
     def run(
@@ -212,20 +320,9 @@ class RingExecutor:
                 table = self.cupy.asarray(host)
         k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
         head = (np.uint64(table.data.ptr), np.int32(len(steps)), np.int32(len(bounds)))
-        tail = (
-            np.uint64(self.memory.ptr),
-            np.uint64(self.left_ptr),
-            np.uint64(self.right_ptr),
-            np.uint64(self.err_ptr),
-            np.uint64(signature(ctx.collective, dtype, op, ctx.root, ctx.wide)),
-            np.uint64(bounds[-1][1] if bounds else 0),  # the call's count
-            np.uint64(int(comm.timeout * 1e9)),
-            np.int32(comm.position),
-            np.int32(SLOTS),
-            np.uint64(SLOT_BYTES),
-            np.int32(op is AVG and dtype in FLOAT_DTYPES),
-            np.float64(comm.size),
-        )
+        count = bounds[-1][1] if bounds else 0
+        tail = self._ring_args(signature(ctx.collective, dtype, op, ctx.root, ctx.wide), count, comm.timeout)
+        tail += (np.int32(op is AVG and dtype in FLOAT_DTYPES), np.float64(comm.size))
         sent = sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
         call = self.calls[key] = (steps, k, head, tail, sent, table)
         if len(self.calls) > CALLS:  # its table kept until the kernels that may read it are done

@@ -65,6 +65,8 @@ def test_peer_record_words_round_trip_and_bus_ids():
     r = rec(node=3, gpu=transports.bus_id("0000:1b:00.0"), peers={5, 7}, aware=True, forced="ipc")
     assert transports.PeerRecord.from_words(r.words()) == r
     assert transports.PeerRecord.from_words(rec().words()) == rec()
+    k = transports.PeerRecord(1, 2, frozenset({3}), False, "kernel", False, 132, True)
+    assert transports.PeerRecord.from_words(k.words()) == k
     assert transports.bus_id("0000:00:00.0") == 0
     assert transports.bus_id("0001:0a:1f.3") == (1 << 24) | (0x0A << 16) | (0x1F << 8) | 3
     assert transports.bus_id("0000:0a:00.0") != transports.bus_id("0000:0b:00.0")
@@ -96,3 +98,25 @@ def test_slices():
     assert staged.slices(0, 4) == []
     assert staged.slices(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert staged.slices(8, 4) == [(0, 4), (4, 8)]
+
+
+def test_kernel_fit_needs_mps_to_share_a_gpu_and_an_sm_per_block():
+    """executor.kernel_fit: the ring kernel's channels, the same on every rank (at most half a lone
+    rank's SMs, one SM per block of every rank on a GPU, at most CHANNELS), or why not."""
+    from ringcomm.executor import CHANNELS, kernel_fit
+
+    def k(node=0, gpu=0, sms=132, mps=True):
+        return transports.PeerRecord(node, gpu, frozenset(), False, "kernel", False, sms, mps)
+
+    assert kernel_fit([k(gpu=1), k(gpu=2)]) == (CHANNELS, "")  # a GPU each
+    assert kernel_fit([k(), k()]) == (CHANNELS, "")  # one H100 under MPS
+    assert kernel_fit([k(sms=5), k(sms=5)]) == (2, "")
+    assert kernel_fit([k(sms=5)] * 5) == (1, "")
+    assert kernel_fit([k(gpu=1, sms=16), k(gpu=2, sms=6)]) == (3, "")  # the smaller GPU sets every rank's
+    channels, why = kernel_fit([k(sms=5)] * 6)
+    assert channels == 0 and "GPU 0000:00:00.0 of node 0 has 5 SMs" in why and "6 rank(s)" in why
+    channels, why = kernel_fit([k(), k(mps=False), k(gpu=1, mps=False)])
+    assert channels == 0 and "ranks 0, 1 share GPU 0000:00:00.0 of node 0, rank(s) 1 not under MPS" in why
+    assert kernel_fit([k(gpu=1, mps=False), k(gpu=2, mps=False)]) == (CHANNELS, "")  # no GPU shared: no MPS needed
+    bus = transports.bus_id("0001:0a:1f.3")
+    assert "GPU 0001:0a:1f.3 of node 2" in kernel_fit([k(node=2, gpu=bus, sms=1)])[1]

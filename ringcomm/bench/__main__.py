@@ -506,6 +506,9 @@ def _header(
             + f" ({comm.ring[0]})"
             + f"  (nodes: {','.join(comm.nodes)})"
         )
+    note = comm._transport("cuda").note if ring is not None and device == "cuda" else ""
+    if note:  # (RINGCOMM_TRANSPORT=kernel where the ranks' kernels cannot all run at once)
+        out(f"# Ring kernel: {note}")
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window[0], comm._window_limit("all_reduce")

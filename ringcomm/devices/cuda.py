@@ -130,6 +130,8 @@ _modules: dict[str, Any] = {}
 _kernels: dict[str, Any] = {}
 _blocks_per_sm: dict[tuple[str, int], int] = {}
 _sm_count: dict[int, int] = {}
+#: cudaDevAttrMpsEnabled (CUDA's driver_types.h; CuPy does not name it)
+MPS_ENABLED = 133
 
 
 def _require_cupy() -> Any:
@@ -202,6 +204,15 @@ def sm_count(device_id: int) -> int:
         attr = getattr(rt, "cudaDevAttrMultiProcessorCount", 16)
         n = _sm_count[device_id] = int(rt.deviceGetAttribute(attr, device_id))
     return n
+
+
+def mps_enabled(device_id: int) -> bool:
+    """Whether contexts on the device are shared through MPS (cudaDevAttrMpsEnabled; False where the
+    driver does not know the attribute)."""
+    try:
+        return bool(cupy.cuda.runtime.deviceGetAttribute(MPS_ENABLED, device_id))
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
 
 
 def max_blocks(k: Any, name: str, device_id: int) -> int:

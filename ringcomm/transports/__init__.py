@@ -68,7 +68,9 @@ class PeerRecord:
     ``node``: its node's index; ``gpu``: its GPU's PCI bus id as an integer (:func:`bus_id`);
     ``peers``: the bus ids of the GPUs its GPU can access (cudaDeviceCanAccessPeer); ``aware``:
     its MPI takes device buffers; ``forced``: its RINGCOMM_TRANSPORT ("" when unset); ``streamops``:
-    its GPU runs CUDA stream memory operations (probed only when ipc-stream is asked for).
+    its GPU runs CUDA stream memory operations (probed only when ipc-stream is asked for); ``sms``
+    and ``mps``: its GPU's multiprocessors and whether its contexts are shared through MPS
+    (cudaDevAttrMpsEnabled; read only when kernel is asked for: :func:`kernel_fit`).
     """
 
     node: int
@@ -77,19 +79,22 @@ class PeerRecord:
     aware: bool
     forced: str
     streamops: bool = False
+    sms: int = 0
+    mps: bool = False
 
     def words(self) -> np.ndarray:
         peers = sorted(self.peers)[:MAX_PEERS]
-        out = np.zeros(6 + MAX_PEERS, np.int64)
+        out = np.zeros(8 + MAX_PEERS, np.int64)
         forced = (NAMES.index(self.forced) + 1) if self.forced else 0
-        out[:6] = self.node, self.gpu, self.aware, forced, self.streamops, len(peers)
-        out[6 : 6 + len(peers)] = peers
+        out[:8] = self.node, self.gpu, self.aware, forced, self.streamops, self.sms, self.mps, len(peers)
+        out[8 : 8 + len(peers)] = peers
         return out
 
     @classmethod
     def from_words(cls, w: Sequence[int]) -> PeerRecord:
         w = [int(v) for v in w]
-        return cls(w[0], w[1], frozenset(w[6 : 6 + w[5]]), bool(w[2]), NAMES[w[3] - 1] if w[3] else "", bool(w[4]))
+        forced = NAMES[w[3] - 1] if w[3] else ""
+        return cls(w[0], w[1], frozenset(w[8 : 8 + w[7]]), bool(w[2]), forced, bool(w[4]), w[5], bool(w[6]))
 
 
 def bus_id(pci: str) -> int:
@@ -159,12 +164,24 @@ class Link:
     """This rank's two halves for arrays of one kind: ``recv`` (the edge from the left) and
     ``send`` (the edge to the right); ``edges``: every edge's transport by ring place, as chosen."""
 
-    __slots__ = ("comm", "recv", "send", "edges", "kernel")
+    __slots__ = ("comm", "recv", "send", "edges", "kernel", "channels", "note")
 
-    def __init__(self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...]) -> None:
+    def __init__(self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...], channels: int = 0) -> None:
         self.comm, self.recv, self.send, self.edges = comm, recv, send, edges
         #: whether the ring executor runs this ring's collectives: every edge "kernel", two ranks or more
         self.kernel = len(edges) > 1 and set(edges) == {"kernel"}
+        #: the ring kernel's blocks per rank (executor.kernel_fit), for a kernel ring
+        self.channels = channels
+        #: why RINGCOMM_TRANSPORT=kernel did not give a kernel ring ("" where it did, or was not asked for)
+        self.note = ""
+
+    def keep_host_driven(self, why: str) -> None:
+        """Turn a kernel ring's edges to ipc (its halves are already ipc's), saying ``why`` (a
+        warning on every rank, the DEBUG log, :attr:`note`)."""
+        self.edges, self.kernel, self.channels = ("ipc",) * len(self.edges), False, 0
+        self.note = f"RINGCOMM_TRANSPORT=kernel, but the ring stays host-driven (ipc): {why}"
+        warnings.warn(f"ringcomm: {self.note}", RuntimeWarning, stacklevel=4)
+        log.warning("ringcomm on rank %d: %s", self.comm.rank, self.note)
 
     def current(self) -> tuple[str, ...]:
         """``edges`` with this rank's two edges as its halves now say (after an IPC fallback)."""
@@ -250,6 +267,11 @@ def select(comm: Any, kind: str) -> Link:
         )
     ]
     edges = choose_edges(records, comm.ring)
+    channels, why = 0, ""
+    if "kernel" in edges:  # (every edge: choose_edges)
+        from ..executor import kernel_fit
+
+        channels, why = kernel_fit(records)
     if name == "ipc-stream" and "ipc" in edges:
         msg = (
             f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
@@ -259,13 +281,15 @@ def select(comm: Any, kind: str) -> Link:
         log.warning(msg)
     recv_cls, _, recv_args = _halves(comm, edges[p])
     _, send_cls, send_args = _halves(comm, edges[(p + 1) % n])
-    link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges)
+    link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges, channels)
+    if why:
+        link.keep_host_driven(why)
     log.debug(
         "cuda transports on rank %d/%d: receives by %s, sends by %s; ring %s (RINGCOMM_TRANSPORT=%r)",
         comm.rank,
         n,
-        edges[p],
-        edges[(p + 1) % n],
+        link.edges[p],
+        link.edges[(p + 1) % n],
         link.describe(),
         name,
     )
@@ -281,9 +305,11 @@ def _setup_context(comm: Any) -> Any:
 
 def gpu_record(comm: Any, forced: str) -> PeerRecord:
     """This rank's record: its node, its current CuPy device's bus id, the GPUs that device can
-    access (peer access), CUDA-aware MPI, RINGCOMM_TRANSPORT."""
+    access (peer access), CUDA-aware MPI, RINGCOMM_TRANSPORT (and what it needs: ipc-stream's
+    stream memory operations, kernel's SMs and MPS)."""
     import cupy
 
+    from ..devices.cuda import mps_enabled, sm_count
     from .staged import cuda_aware_mpi
 
     rt = cupy.cuda.runtime
@@ -294,9 +320,10 @@ def gpu_record(comm: Any, forced: str) -> PeerRecord:
         if d != me and rt.deviceCanAccessPeer(me, d)
     )
     streamops = forced == "ipc-stream" and not _stream_ops_problem(comm)
-    return PeerRecord(
-        comm.node_index, bus_id(cupy.cuda.Device(me).pci_bus_id), peers, cuda_aware_mpi(), forced, streamops
-    )
+    kernel = forced == "kernel"
+    sms, mps = (sm_count(me), mps_enabled(me)) if kernel else (0, False)
+    bus = bus_id(cupy.cuda.Device(me).pci_bus_id)
+    return PeerRecord(comm.node_index, bus, peers, cuda_aware_mpi(), forced, streamops, sms, mps)
 
 
 def _stream_ops_problem(comm: Any) -> str:

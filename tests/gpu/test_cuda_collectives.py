@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 cupy, _ngpu = require_gpu()
 
+from ringcomm.devices.cuda import mps_enabled  # noqa: E402
 from ringcomm.ops import ReduceOp  # noqa: E402
 from ringcomm.ops import bfloat16 as ringcomm_bfloat16  # noqa: E402
 from ringcomm.transports import ipc, staged  # noqa: E402
@@ -51,8 +52,10 @@ def _use_local_gpu() -> None:
 def transports() -> list[str]:
     """The GPU transports the tests loop over: every one this machine has, or those of them that
     RINGCOMM_TEST_TRANSPORTS names (comma-separated; tests/test_cuda_emulated.py runs each variant
-    of the emulated GPU with the transports it is about)."""
+    of the emulated GPU with the transports it is about). Not kernel where ranks share a GPU without MPS."""
     names = ["ipc", "staged", "ipc-stream", "kernel"]
+    if MPI.COMM_WORLD.size > _ngpu and not mps_enabled(cupy.cuda.runtime.getDevice()):
+        names.remove("kernel")  # ranks sharing a GPU without MPS: the ring stays host-driven (test_kernel_ring_...)
     if staged.cuda_aware_mpi():
         names.append("mpi")
     wanted = os.environ.get("RINGCOMM_TEST_TRANSPORTS", "").strip()

@@ -193,3 +193,52 @@ def test_ipc_stream_warns_when_every_stream_shares_one_work_queue(monkeypatch):
         comm.all_reduce(x)
     assert (cupy.asnumpy(x) == MPI.COMM_WORLD.size).all()
     comm.close()
+
+
+def _kernel_ring_stays_host_driven(why: str) -> None:
+    """RINGCOMM_TRANSPORT=kernel where the ranks' ring kernels cannot all run at once: every rank
+    warns ``why`` and keeps the host-driven ipc ring (the bench header's note says so too), and the
+    collectives give the right result, bitwise the same on every rank."""
+    r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    cupy.cuda.Device(0).use()  # every rank on one GPU
+    with pytest.warns(RuntimeWarning, match=why):
+        comm = comm_with("kernel", timeout=30.0)
+    x = cupy.asarray(np.random.default_rng(r).standard_normal(40_003).astype(np.float32))
+    assert comm.transport_name(x) == "ipc" and not comm._executors
+    assert comm._transport("cuda").note.startswith("RINGCOMM_TRANSPORT=kernel, but the ring stays host-driven")
+    want = sum(np.random.default_rng(k).standard_normal(40_003).astype(np.float32) for k in range(n))
+    comm.all_reduce(x)
+    got = cupy.asnumpy(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len({a.tobytes() for a in MPI.COMM_WORLD.allgather(got)}) == 1
+    comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_kernel_ring_of_ranks_sharing_a_gpu_without_mps_stays_host_driven(monkeypatch):
+    """Ranks sharing a GPU without MPS (cudaDevAttrMpsEnabled 0; RINGCOMM_EMULATED_MPS=0 says the same):
+    their contexts take turns on the GPU, so a kernel that waits on another rank's would wait for a
+    time slice at every step. transports.select sees it in the ranks' records, before any kernel."""
+    monkeypatch.setattr(cuda_device, "mps_enabled", lambda device_id: False)
+    _kernel_ring_stays_host_driven(r"ranks 0, 1 share GPU 0000:00:00.0 of node 0, rank\(s\) 0, 1 not under MPS")
+
+
+@pytest.mark.parallel(nprocs=[3])
+def test_kernel_ring_whose_probe_blocks_do_not_all_run_stays_host_driven(monkeypatch):
+    """The set-up's probe kernel: rank 1's blocks never run (its launch is lost here; on a GPU, its
+    blocks could not become resident beside other work), so rank 2, its right neighbour, waits for its
+    header until the probe's deadline and records a timeout (rank 0 has rank 2's header: it passes),
+    and every rank agrees to keep the host-driven ring."""
+    from ringcomm import executor
+
+    monkeypatch.setattr(executor, "PROBE_SECONDS", 0.5)
+    if MPI.COMM_WORLD.rank == 1:
+        real = executor.kernel
+
+        def lost_probe(source: str, name: str):
+            return (lambda *args, **kw: None) if name == "ringcomm_ring_sum_u8" else real(source, name)
+
+        monkeypatch.setattr(executor, "kernel", lost_probe)
+    started = time.monotonic()
+    _kernel_ring_stays_host_driven(r"the probe kernel's blocks did not all run at once: rank\(s\) 2 waited 0.5 s")
+    assert time.monotonic() - started < 20

@@ -58,6 +58,10 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   device d (its own allocations and the IPC mappings opened on d) and of devices that d enabled peer
   access to (cudaDeviceEnablePeerAccess); anything else is an illegal address. A kernel launched on
   a stream of another device fails as cuLaunchKernel does (CUDA_ERROR_INVALID_HANDLE).
+  RINGCOMM_EMULATED_SMS=<n> sets every device's multiprocessor count (default 5) and
+  RINGCOMM_EMULATED_MPS=0 says that the processes sharing a device are not under MPS
+  (cudaDevAttrMpsEnabled 0; default 1): what ringcomm's ring-kernel set-up reads. Kernels still run
+  at once either way (no time slicing, no occupancy limit is emulated).
 """
 
 from __future__ import annotations
@@ -84,7 +88,12 @@ float16, float32, float64 = np.float16, np.float32, np.float64
 int8, int16, int32, int64 = np.int8, np.int16, np.int32, np.int64
 uint8, uint16, uint32, uint64 = np.uint8, np.uint16, np.uint32, np.uint64
 
-_SM_COUNT = 2
+#: RINGCOMM_EMULATED_SMS=<n>: the emulated GPU's multiprocessors (default 5: a ring kernel gets 2
+#: blocks per rank for one or two ranks on a device, 1 for three to five)
+_SM_COUNT = max(1, int(os.environ.get("RINGCOMM_EMULATED_SMS") or 5))
+#: RINGCOMM_EMULATED_MPS=0: the processes sharing an emulated GPU do not run under MPS
+#: (cudaDevAttrMpsEnabled reads 0; default 1, as the GPU tests run on a GPU: benchmarks/gpu_check.sh starts MPS)
+_MPS = os.environ.get("RINGCOMM_EMULATED_MPS", "1").strip() != "0"
 #: RINGCOMM_EMULATED_JITTER=<ms>: queued work sometimes waits up to that long before it runs
 _JITTER = float(os.environ.get("RINGCOMM_EMULATED_JITTER", "0") or 0) / 1000.0
 _rng = random.Random(os.getpid())
@@ -1607,7 +1616,7 @@ def _deviceGetByPCIBusId(pci_bus_id: str) -> int:
 
 def _deviceGetAttribute(attrib: int, device: int) -> int:
     device = _check_device(device)
-    return {16: _SM_COUNT, 75: 9, 76: 0}.get(int(attrib), 0)  # SMs, compute capability 9.0
+    return {16: _SM_COUNT, 75: 9, 76: 0, 133: int(_MPS)}.get(int(attrib), 0)  # SMs, compute capability 9.0, MPS
 
 
 def _getDeviceProperties(device: int) -> dict:
