@@ -234,6 +234,8 @@ class Communicator:
         self._late_error: BaseException | None = None
         #: RINGCOMM_TRANSPORT=kernel: the ring executor by device (ringcomm.executor), made on first use
         self._executors: dict[int, Any] = {}
+        #: the scratch of calls captured in CUDA graphs (:meth:`_scratch_array`), kept while this lives
+        self._graph_scratch: list = []
         self._ready = True
 
     # ------------------------------------------------------------------ the collectives
@@ -330,6 +332,7 @@ class Communicator:
         for ex in self._executors.values():
             ex.close()
         self._executors.clear()
+        self._graph_scratch.clear()
         self._transports.clear()
         for reused in self._scratch.values():
             reused.free()
@@ -436,14 +439,23 @@ class Communicator:
     def _scratch_array(self, kind: Any, device: Any, count: int, dtype: np.dtype, pinned: bool = False) -> Any:
         """A scratch array of ``count`` elements over one reused buffer per ``kind`` (grown when
         needed; ``pinned``: pinned host memory), ordered after its use by the previous call; call
-        :meth:`_scratch_done` after the call's last use of it."""
+        :meth:`_scratch_done` after the call's last use of it.
+
+        In a CUDA graph capture (the device's stream captures) a new array instead, the graph's
+        own: kept while the communicator lives, since every replay writes it; no event orders it
+        (a capture may not wait on work outside it), the replays are ordered by their stream."""
+        if device.stream is not None and device.stream.is_capturing():
+            buf = device.empty(count, dtype)
+            self._graph_scratch.append(buf)
+            return buf
         reused = self._scratch.get(kind)
         if reused is None:
             reused = self._scratch[kind] = devices.Reused(pinned)
         return reused.take(device, count * np.dtype(dtype).itemsize).view(dtype)
 
     def _scratch_done(self, kind: Any, device: Any) -> None:
-        self._scratch[kind].done(device)
+        if device.stream is None or not device.stream.is_capturing():
+            self._scratch[kind].done(device)
 
     def _poll_executors(self) -> None:
         """Take the first failure a ring kernel recorded as the late error (ringcomm.executor)."""

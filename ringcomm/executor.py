@@ -28,9 +28,10 @@ ACC) and travel in float32, as the engine's loop has them.
 
 CUDA graphs: a call made while its stream captures is captured as its one kernel node (its step
 table, made on a stream of its own when the kind of call is new, kept while the executor lives);
-every replay runs the collective again (the epoch is in device memory). A capture may not depend
-on work outside it, so captured calls are not ordered after the eager ones on other streams: the
-caller orders the graph's stream with them, as for NCCL. Not yet: a one-shot kernel for small sizes.
+every replay runs the collective again (the epoch is in device memory; a call's scratch is the
+graph's own: Communicator._scratch_array). A capture may not depend on work outside it, so captured
+calls are not ordered after the eager ones on other streams: the caller orders the graph's stream
+with them, as for NCCL. Not yet: a one-shot kernel for small sizes.
 
 Co-residency: every rank's blocks must run at once, or the ring waits on blocks that cannot start.
 At set-up (transports.select) :func:`kernel_fit` keeps the kernel only where each GPU has room for
@@ -197,7 +198,7 @@ class RingExecutor:
         #: before and after the buffers', bytes sent, the step table in device memory)
         self.calls: OrderedDict[tuple, tuple] = OrderedDict()
         self.captured: dict[int, Any] = {}  # step tables launched in a CUDA graph capture (kept while this lives)
-        self.setup: Any = None  # a stream for the copies of step tables made during a capture
+        self.setup: Any = None  # a stream of its own: the probe's, and the copies of step tables made in a capture
         self.last: Any = None  # the end of the last kernel (devices.cuda.LastUse): where the next call begins
         log.debug(
             "ring executor on rank %d/%d: device %d, %d channels x %d slots x %d B (%d B of device memory)",
@@ -310,8 +311,6 @@ class RingExecutor:
         comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
         host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
-            if self.setup is None:
-                self.setup = self.cupy.cuda.Stream(non_blocking=True)
             with self.setup:
                 table = self.cupy.asarray(host)
             self.setup.synchronize()

@@ -304,7 +304,8 @@ def test_calls_alternating_between_two_streams_without_host_syncs():
 def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_replay():
     """RINGCOMM_TRANSPORT=kernel: collectives called while a stream captures become the graph's
     kernel nodes (a kind of call new to the communicator included: its step table is made on a
-    stream of its own); each of 1000 replays runs them again, on inputs rewritten between replays,
+    stream of its own; the calls that need scratch, reduce_scatter, reduce and accumulate="float32",
+    get the graph's own); each of 1000 replays runs them again, on inputs rewritten between replays,
     and gives the right result (the epoch lives in device memory); eager calls go on after it."""
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
@@ -315,7 +316,12 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     y = cupy.empty_like(x)
     gathered = cupy.empty(16 * n, cupy.int64)
     b = cupy.empty(40, cupy.float64)
+    lo, hi = comm.shard_bounds(count)[r]
+    shard = cupy.empty(hi - lo, cupy.float32)
+    red = cupy.empty(count, cupy.float32)
+    h = cupy.empty(77, cupy.float16)
     comm.all_reduce(x, out=y)  # an eager call of one kind first
+    comm.reduce_scatter(x, out=shard)  # (and one that takes the communicator's scratch)
     cupy.cuda.Device().synchronize()  # (ordering eager calls with a capture on another stream is the caller's)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
@@ -324,6 +330,9 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
         comm.all_reduce(y, op="max", stream=s)  # in place: a kind made during the capture
         comm.all_gather(gathered[16 * r : 16 * (r + 1)], out=gathered, stream=s)
         comm.broadcast(b, root=n - 1, stream=s)
+        comm.reduce_scatter(x, out=shard, stream=s)
+        comm.reduce(x, root=0, out=red if r == 0 else None, stream=s)
+        comm.all_reduce(h, accumulate="float32", stream=s)
         graph = s.end_capture()
     want_gather = np.repeat(np.arange(n), 16)
     for i in range(1000):
@@ -331,13 +340,18 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
             x[...] = i + r
             gathered[16 * r : 16 * (r + 1)] = r
             b[...] = i if r == n - 1 else -1
+            h[...] = i % 7 + r
         graph.launch(stream=s)
-        got = y.get(stream=s)
-        assert (got == n * i + n * (n - 1) // 2).all(), f"replay {i}: all_reduce gave {got[:4]}"
+        got, want = y.get(stream=s), n * i + n * (n - 1) // 2
+        assert (got == want).all(), f"replay {i}: all_reduce gave {got[:4]}"
         assert (gathered.get(stream=s) == want_gather).all(), f"replay {i}: all_gather"
         assert (b.get(stream=s) == i).all(), f"replay {i}: broadcast"
+        assert (shard.get(stream=s) == want).all(), f"replay {i}: reduce_scatter"
+        assert r != 0 or (red.get(stream=s) == want).all(), f"replay {i}: reduce"
+        assert (h.get(stream=s) == n * (i % 7) + n * (n - 1) // 2).all(), f"replay {i}: all_reduce float32 accumulate"
     comm.all_reduce(x, out=y)
-    assert (host(y) == n * 999 + n * (n - 1) // 2).all()
+    comm.reduce_scatter(x, out=shard)
+    assert (host(y) == n * 999 + n * (n - 1) // 2).all() and (host(shard) == n * 999 + n * (n - 1) // 2).all()
     comm.check_errors()
 
 

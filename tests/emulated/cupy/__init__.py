@@ -125,6 +125,9 @@ _CUDA_ERRORS = {
     400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
     704: ("cudaErrorPeerAccessAlreadyEnabled", "peer access is already enabled"),
     705: ("cudaErrorPeerAccessNotEnabled", "peer access has not been enabled"),
+    900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    901: ("cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"),
+    905: ("cudaErrorStreamCaptureIsolation", "dependency created on uncaptured work in another stream"),
 }
 _ERROR_BY_NAME = {name: status for status, (name, _) in _CUDA_ERRORS.items()}
 #: the driver's (cuGetErrorName, cuGetErrorString)
@@ -773,7 +776,7 @@ class Stream:
             self._capture.append(fn)
             return
         self._capture.append(_INVALIDATED)
-        raise CUDARuntimeError(906 if isinstance(fn, _Wait) else 900)
+        raise CUDARuntimeError(905 if isinstance(fn, _Wait) else 900)
 
     def _refuse_in_capture(self) -> None:
         if self._capture is not None:  # a synchronization of a capturing stream: refused, invalidating
