@@ -101,6 +101,31 @@ def test_cuda_collectives_every_op_and_dtype():
     check_every_op_and_dtype(transports())
 
 
+@pytest.mark.parallel(nprocs=[5])
+def test_kernel_ring_5_ranks_on_one_gpu():
+    """The ring kernel's every collective, op, dtype and count class at N = 5, every rank on one GPU
+    (under MPS), bitwise the host path's."""
+    cupy.cuda.Device(0).use()
+    check_every_op_and_dtype(_kernel_only())
+
+
+@pytest.mark.parallel(nprocs=[4])
+def test_kernel_ring_two_ranks_per_gpu():
+    """The same at N = 4 on a node of two GPUs, two ranks on each: every ring edge crosses from one GPU
+    to the other (peer access), each GPU runs two ranks' blocks (tests/test_cuda_emulated.py's
+    two-GPUs variant)."""
+    if _ngpu != 2:
+        pytest.skip("needs a node of exactly two GPUs")
+    _use_local_gpu()
+    check_every_op_and_dtype(_kernel_only())
+
+
+def _kernel_only() -> list[str]:
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    return ["kernel"]
+
+
 def check_every_op_and_dtype(names: list[str | None]) -> None:
     """Every collective, op, dtype and count class on the GPU, bitwise the host path's result, once
     per transport in ``names`` (None: the automatic choice per edge; also run by test_cuda_topology)."""
