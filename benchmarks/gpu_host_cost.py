@@ -8,7 +8,11 @@ place, called back to back (``--iters`` calls after 20 warm-up ones, the stream 
 ``us/call`` is the slowest rank's mean wall time per call. ``in call``: the slowest rank's mean time
 inside the call itself, each call made on an idle stream (synchronized after it, outside the timing): the
 host time a call costs (all of it where the call waits for the GPU; the checks and the launch alone where
-it returns before its kernels run: ipc-stream, kernel). Then the same loop again under cProfile
+it returns before its kernels run: ipc-stream, kernel). ``python`` (kernel only): the slowest rank's time
+per call with the kernel launch and the event wait and record made no-ops, ringcomm's own Python (with
+CuPy's stream and device queries): what the host time per call is without CUDA's launch cost, which is
+the same for any library (on the emulated GPU, the emulation's launch dominates ``in call``). Then the
+same loop again under cProfile
 (every rank; rank 0's figures are shown), its time split by who spent it, each function's own time:
 
 - ``ringcomm``: ringcomm's own Python (argument checks, schedule, engine, transports' handshakes, kernel
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 inside += time.perf_counter() - t1
                 stream.synchronize()
             in_call = world.allreduce(inside, op=MPI.MAX) / args.iters
+            python = python_alone(comm, x, out, args.iters) if algorithm == "one kernel" else 0.0
+            python = world.allreduce(python, op=MPI.MAX)
             wrong = int(world.allreduce(int((cp.asnumpy(out) != n * base + n * (n - 1) // 2).sum()), op=MPI.SUM))
             world.Barrier()
             prof = cProfile.Profile()
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     "algorithm": algorithm,
                     "us_per_call": per_call * 1e6,
                     "host_us_per_call": in_call * 1e6,
+                    "python_us_per_call": python * 1e6,
                     "us_per_step": per_call * 1e6 / max(steps, 1),
                     "us_by_side": us,
                     "us_per_step_by_side": {k: v / max(steps, 1) for k, v in us.items()},
@@ -200,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         head = (
             f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'in call':>8}"
-            f" {'us/step':>8}"
+            f" {'python':>7} {'us/step':>8}"
         )
         print(head + "".join(f" {k:>8}" for k in SIDES) + f" {'wrong':>6}")
         for row in rows:
             print(
                 f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
-                f"{row['us_per_call']:9.1f} {row['host_us_per_call']:8.1f} {row['us_per_step']:8.1f}"
+                f"{row['us_per_call']:9.1f} {row['host_us_per_call']:8.1f} "
+                + (f"{row['python_us_per_call']:7.1f}" if row["python_us_per_call"] else f"{'-':>7}")
+                + f" {row['us_per_step']:8.1f}"
                 + "".join(f" {row['us_per_step_by_side'][k]:8.1f}" for k in SIDES)
                 + f" {row['wrong']:6d}"
             )
@@ -216,6 +225,27 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"benchmark": "gpu_host_cost", "rows": rows}, f, indent=1)
     return 0 if all(row["wrong"] == 0 for row in rows) else 1
+
+
+def python_alone(comm, x, out, calls: int) -> float:
+    """Seconds per call of ringcomm's own Python on a kernel ring (and CuPy's stream and device
+    queries): ``calls`` calls with the kernel launch and the event wait and record made no-ops. No
+    rank launches these calls' kernels, so the ring's epochs in device memory stay in step."""
+    from ringcomm.devices.cuda import CudaDevice
+
+    ex = next(iter(comm._executors.values()))
+    kept, after, record = dict(ex.calls), CudaDevice.after, CudaDevice.record
+    for key, call in kept.items():  # (call = steps, kernel, arguments, bytes, table)
+        ex.calls[key] = (call[0], lambda *args, **kw: None, *call[2:])
+    CudaDevice.after, CudaDevice.record = (lambda self, last: None), (lambda self, last: last)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            comm.all_reduce(x, out=out)
+        return (time.perf_counter() - t0) / calls
+    finally:
+        ex.calls.update(kept)
+        CudaDevice.after, CudaDevice.record = after, record
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@
 //                     this rank's own data, sent in float32), 0
 //   nchunks rows of 2: the chunk's [lo, hi) in elements
 //   nchunks words: 1 where the chunk must be copied from src to work at the end (no step wrote it)
+// nsteps = -1: a one-shot all-reduce (small counts): nchunks = N ring places, the table is the N
+// chunks' (lo, hi), every place's control block as mapped here (N words), and the inbox's bytes per
+// sender. Each channel pushes its part of src into every other rank's inbox (half ``call`` & 1, row
+// of this place), marks it arrived there, waits for every other rank's, and folds its part of each
+// chunk from the N copies in ringcomm.schedule.fold_order (the chunk's next place first, its owner
+// last: the ring's bits), into work; then marks each sender's data consumed. Before writing into an
+// inbox half it waits until that rank consumed the last call that used the half.
 // Each chunk is cut into per-channel ranges (units of 16 elements dealt out evenly, as
 // schedule.partition does) and each channel's range into pieces of one FIFO slot. Channel c of rank
 // r talks only to channel c of its neighbours.
@@ -31,7 +38,11 @@
 //   line 2C + c     state[c]: [0] pieces sent, [1] pieces received, [2] calls (only this rank's
 //                   channel c touches it: the epoch lives in device memory, graph replays advance it)
 //   line 3C         abort: 0, or 1 + the ring place of the rank whose failure ended the ring
+//   line 3C+1 + (k C + c) M + q, M = RC_ONESHOT_MAX_RANKS: one-shot counters of channel c for ring place q,
+//                   k = 0 arrived (the last call whose data q put in my inbox; written by q), k = 1
+//                   consumed (the last call whose data I put in q's inbox that q has folded; written by q)
 //   from byte RC_RING_FIFO_OFFSET(C): C x slots FIFO slots of slot_bytes each (channel-major)
+//   then the one-shot inbox: 2 parities x N senders x the table's bytes per sender
 // Counters only grow (compared wrap-safe). The left writes my ready and my FIFO, the right my
 // freed; each block polls only its own control block and writes into its neighbours'.
 //
@@ -48,9 +59,11 @@
 #include "accumulate.cu"
 #undef RC_NO_ENTRY_POINTS
 
-// Words per 128-byte line, and where the FIFO begins for C channels (4096-byte aligned).
+// Words per 128-byte line; the most ranks of a one-shot call; where the FIFO begins for C channels
+// (after the control lines, 4096-byte aligned).
 #define RC_RING_LINE 16
-#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1) * 128) + 4095) / 4096 * 4096)
+#define RC_ONESHOT_MAX_RANKS 8
+#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1 + 2 * (C) * RC_ONESHOT_MAX_RANKS) * 128) + 4095) / 4096 * 4096)
 // err[] words: state (0 empty, 1 being written, 2 written), kind, origin, call, step (-1: the header),
 // peer (which neighbour: 0 left, 1 right), expected, observed, channel, their call, their signature,
 // their count, my signature, my count
@@ -94,6 +107,11 @@ struct RingArgs {
 };
 
 __device__ __forceinline__ u64* line(u64* ctl, unsigned i) { return ctl + (u64)i * RC_RING_LINE; }
+
+// A one-shot counter (k: 0 arrived, 1 consumed) of the block's channel for ring place q, in ``ctl``.
+__device__ __forceinline__ u64* oneshot_line(u64* ctl, const RingArgs& a, unsigned k, unsigned q) {
+  return line(ctl, 3 * a.channels + 1 + (k * a.channels + a.channel) * RC_ONESHOT_MAX_RANKS + q);
+}
 
 __device__ __forceinline__ unsigned char* slot_of(u64* ctl, const RingArgs& a, u64 piece) {
   return (unsigned char*)ctl + RC_RING_FIFO_OFFSET(a.channels) +
@@ -156,6 +174,73 @@ __device__ __forceinline__ int wait_for(const RingArgs& a, const u64* word, u64 
   }
 }
 
+// The one-shot all-reduce of one channel (nsteps = -1; see the top), after the header: 0, or the
+// failure's kind. ``status``: ring_block's, written by the leader alone in a wait, read by every thread
+// after the barrier that follows (the same discipline as there). A wait for place q names it as peer
+// 2 + 2q (its data) or 3 + 2q (its consumption of the last call that used the inbox half).
+template <typename T, typename Op>
+__device__ __forceinline__ int oneshot_block(const RingArgs& a, u64 place, u64 call, const long long* bounds,
+                                             int& status) {
+  typedef typename Traits<T>::acc A;
+  const u64 isz = sizeof(T), n = (u64)a.nchunks, half = call & 1;
+  const long long* peers = bounds + 2 * n;  // every place's control block, as mapped here (mine: a.mine)
+  const u64 per = (u64)peers[n];            // inbox bytes per sender and half
+  const u64 inbox = RC_RING_FIFO_OFFSET(a.channels) + (u64)a.channels * a.slots * a.slot_bytes + half * n * per;
+  u64* state = line(a.mine, 2 * a.channels + a.channel);
+  u64 lo, hi;
+  channel_range(a, 0, a.count, lo, hi);
+  if (RC_LEADER) {
+    const u64 last = ld_relaxed(state + 3 + half);  // every other rank has folded it: its inbox half is free
+    for (u64 q = 0; q < n && !status; ++q)
+      if (q != place) status = wait_for(a, oneshot_line(a.mine, a, 1, (unsigned)q), last, place, call, 0, 3 + 2 * (int)q);
+  }
+  RC_BARRIER();
+  int st = status;
+  if (st) return st;
+  for (u64 q = 0; q < n; ++q) {  // this channel's part of src into every other rank's inbox, row ``place``
+    if (q == place) continue;
+    unsigned char* to = (unsigned char*)peers[q] + inbox + place * per + lo * isz;
+    RC_THREADS(t) copy_thread(t, RC_BLOCK, to, a.src + lo * isz, (hi - lo) * isz);
+  }
+  RC_BARRIER();
+  if (RC_LEADER) {
+    for (u64 q = 0; q < n; ++q)
+      if (q != place) st_release(oneshot_line((u64*)peers[q], a, 0, (unsigned)place), call);
+    for (u64 q = 0; q < n && !status; ++q)
+      if (q != place) status = wait_for(a, oneshot_line(a.mine, a, 0, (unsigned)q), call, place, call, 0, 2 + 2 * (int)q);
+  }
+  RC_BARRIER();
+  if ((st = status)) return st;
+  // each element of this channel's part, folded from the N copies in the ring's order (element by
+  // element: work may be src, whose element is read before it is written)
+  const unsigned char* box = (const unsigned char*)a.mine + inbox;
+  const bool ud = a.use_div != 0;
+  const A div = (A)a.div;
+  T* dst = (T*)a.work;
+  for (u64 c = 0; c < n; ++c) {
+    const u64 clo = (u64)bounds[2 * c] > lo ? (u64)bounds[2 * c] : lo;
+    const u64 chi = (u64)bounds[2 * c + 1] < hi ? (u64)bounds[2 * c + 1] : hi;
+    RC_THREADS(t) {
+      for (u64 i = clo + t; i < chi; i += RC_BLOCK) {
+        u64 p = (c + 1) % n;
+        T r = p == place ? ((const T*)a.src)[i] : ((const T*)(box + p * per))[i];
+        for (u64 k = 2; k <= n; ++k) {
+          p = (c + k) % n;
+          const T x = p == place ? ((const T*)a.src)[i] : ((const T*)(box + p * per))[i];
+          r = combine<T, Op>(x, r, ud && k == n, div);
+        }
+        dst[i] = r;
+      }
+    }
+  }
+  RC_BARRIER();
+  if (RC_LEADER) {
+    for (u64 q = 0; q < n; ++q)
+      if (q != place) st_release(oneshot_line((u64*)peers[q], a, 1, (unsigned)place), call);
+  }
+  return 0;
+}
+
 // One channel of one rank: the header, every step's pieces, the end copies; then the epoch is kept.
 // ``status`` is written by the leader alone, in a wait, and read by every thread only right after
 // the barrier that follows that wait (into its own ``st``), with a barrier before the leader's next
@@ -169,7 +254,8 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
   u64* freed = line(a.mine, a.channels + a.channel);       // the right's FIFO's drain, written by the right
   u64* right_ready = line(a.right, a.channel);             // what I write into the right
   u64* left_freed = line(a.left, a.channels + a.channel);  // what I write into the left
-  const long long* bounds = a.table + 8 * a.nsteps;
+  const long long* bounds = a.table + 8 * (a.nsteps > 0 ? a.nsteps : 0);
+  const bool oneshot = a.nsteps < 0;
   RC_SHARED int status;
   RC_SHARED u64 sent, got, call;
   if (RC_LEADER) {
@@ -205,6 +291,7 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
   RC_BARRIER();
   int st = status;
   RC_BARRIER();
+  if (oneshot && !st) st = oneshot_block<T, Op>(a, place, call, bounds, status);
   for (int k = 0; k < a.nsteps && !st; ++k) {
     const long long* row = a.table + 8 * k;
     const long long sc = row[0], rc_ = row[2];
@@ -263,7 +350,7 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
   }
   if (st) return;
   const long long* copies = bounds + 2 * a.nchunks;
-  for (int c = 0; c < a.nchunks; ++c) {
+  for (int c = 0; c < a.nchunks && !oneshot; ++c) {
     if (!copies[c]) continue;
     u64 lo, hi;
     channel_range(a, bounds[2 * c], bounds[2 * c + 1], lo, hi);
@@ -273,6 +360,7 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
     st_relaxed(state, sent);
     st_relaxed(state + 1, got);
     st_relaxed(state + 2, call);
+    if (oneshot) st_relaxed(state + 3 + (call & 1), call);  // (the last one-shot call that used this half)
   }
 }
 

@@ -42,6 +42,9 @@ def classify(x: Any, name: str, stream: Any = None) -> tuple[str, Any]:
     """
     if isinstance(x, np.ndarray):
         return "host", x
+    cp = sys.modules.get("cupy")
+    if cp is not None and type(x) is cp.ndarray:  # (what cupy.asarray(x) returns: x itself)
+        return "cuda", x
     if _is_torch_cuda(x):
         return "cuda", _cuda_from_dlpack(x, name, stream)
     if _has_cuda_array_interface(x):

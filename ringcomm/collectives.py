@@ -8,6 +8,7 @@ on the rank that passed it and never leaves its peers waiting inside a ring (the
 from __future__ import annotations
 
 import logging
+import sys
 from functools import partial
 from typing import Any
 from weakref import ref
@@ -16,6 +17,7 @@ import numpy as np
 
 from . import schedule
 from .arrays import classify, default_stream, flat, relation, span, writable
+from .devices import get as get_device
 from .engine import Context
 from .ops import AVG, HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
 
@@ -154,6 +156,51 @@ def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
         comm._failed(ctx, e)
 
 
+def _kernel_lane(comm: Any, x: Any, op: Any, out: Any) -> Any:
+    """The fast lane of a GPU all-reduce that runs as one kernel (ringcomm.executor), like a call
+    that ran before it (:func:`_keep_kernel_lane`: the same count, dtype and op, in place or not):
+    when x (and out) are 1-D contiguous CuPy arrays (out apart from x), on the lane's device and
+    CuPy's current stream, no kernel has recorded a failure, and the lanes are open, it numbers
+    the call and launches it (executor.launch), and returns its result; else None: the full path
+    runs, with its checks, their messages and its log line."""
+    cp = sys.modules.get("cupy")
+    if cp is None or type(x) is not cp.ndarray or not _lanes_open(comm):
+        return None
+    op = OPS.get(op) if isinstance(op, str) else None
+    lane = comm._lanes.get(("kernel all_reduce", x.size, x.dtype, op, out is None))
+    if lane is None or x.ndim != 1 or not x.flags.c_contiguous:
+        return None
+    work = x
+    if out is not None:
+        if type(out) is not cp.ndarray or out.dtype != x.dtype or out.size != x.size or out.ndim != 1:
+            return None
+        at, to, nbytes = x.data.ptr, out.data.ptr, x.nbytes
+        if not out.flags.c_contiguous or not (to + nbytes <= at or at + nbytes <= to):
+            return None
+        work = out
+    ctx, ex, key, steps = lane
+    call, device = ex.calls.get(key), ctx.device
+    if call is None or call[0] is not steps or ex.err[0] or cp.cuda.runtime.getDevice() != device.device_id:
+        return None
+    device.stream = cp.cuda.get_current_stream()
+    comm._calls += 1
+    ctx.call = comm._calls
+    try:
+        comm.bytes_sent += ex.launch(key, call, device, work, x)
+    except BaseException as e:
+        comm._failed(ctx, e)
+    return x if out is None else out
+
+
+def _keep_kernel_lane(comm: Any, ctx: Context, count: int, steps: Any, chunks: Any, in_place: bool) -> None:
+    """After an all-reduce that the executor ran on CuPy's current stream: the lane of the calls
+    like it (:func:`_kernel_lane`), with a Context and a device of its own."""
+    ex = comm._executors[ctx.device.device_id]
+    lane_ctx = Context("all_reduce", comm, get_device("cuda"), ctx.dtype, ctx.op)
+    key = ex.key(lane_ctx, steps, chunks, in_place, range(comm.size))
+    comm._lanes["kernel all_reduce", count, ctx.dtype, ctx.op, in_place] = (lane_ctx, ex, key, steps)
+
+
 def all_reduce(
     comm: Any, x: Any, op: ReduceOp | str = "sum", *, out: Any = None, stream: Any = None, accumulate: str | None = None
 ) -> Any:
@@ -164,8 +211,8 @@ def all_reduce(
     None, or "float32": float16/bfloat16 partial sums travel and are added in float32 and each
     result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
     """
-    if type(x) is np.ndarray and stream is None and accumulate is None:
-        done = _small_host(comm, x, op, out)
+    if stream is None and accumulate is None:
+        done = _small_host(comm, x, op, out) if type(x) is np.ndarray else _kernel_lane(comm, x, op, out)
         if done is not None:
             return done
     op = parse_op(op)
@@ -204,10 +251,11 @@ def all_reduce(
         if wide:
             comm._scratch_done((kind, "partial sums"), device)
     else:
-        steps = schedule.all_reduce(n, r)
-        comm._run(
-            ctx, kind, count, steps, comm._in_ring(schedule.partition(count, n)), work, src, result_chunks=range(n)
-        )
+        steps, chunks = schedule.all_reduce(n, r), comm._in_ring(schedule.partition(count, n))
+        comm._run(ctx, kind, count, steps, chunks, work, src, result_chunks=range(n))
+        lane = kind == "cuda" and stream is None and not wide and (out is None) == (work is src)
+        if lane and comm._transport(kind).kernel:
+            _keep_kernel_lane(comm, ctx, count, steps, chunks, work is src)
     return x if out is None else out
 
 

@@ -402,7 +402,7 @@ class Communicator:
                 from .executor import RingExecutor
 
                 try:
-                    ex = self._guarded(lambda: RingExecutor(self, link.channels))
+                    ex = self._guarded(lambda: RingExecutor(self, link.channels, link.mesh))
                 except NotCoResident as e:
                     link.keep_host_driven(str(e))
                 else:
@@ -473,7 +473,7 @@ class Communicator:
         if ex is None:
             from .executor import RingExecutor
 
-            ex = self._executors[device.device_id] = self._guarded(lambda: RingExecutor(self, link.channels))
+            ex = self._executors[device.device_id] = self._guarded(lambda: RingExecutor(self, link.channels, link.mesh))
         return ex
 
     def _usable(self) -> None:
@@ -672,9 +672,11 @@ class Communicator:
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, plan.run, work, src)
             return plan
         if kind != "host" and link.kernel:  # one kernel runs every step (ringcomm.executor)
-            run, algorithm = self._executor(ctx.device, link).run, f"{_schedule_name(ctx)} (one kernel)"
+            ex = self._executor(ctx.device, link)
+            run, algorithm = ex.run, ex.algorithm(ctx, bounds, _schedule_name(ctx))
             args = (steps, bounds, work, src, result_chunks)
-            self._launch(ctx, count, root, agreed, algorithm, link, len(steps), run, *args)
+            nsteps = 1 if ex.one_shot(ctx, bounds) else len(steps)
+            self._launch(ctx, count, root, agreed, algorithm, link, nsteps, run, *args)
         else:
             args = (steps, bounds, work, src, link, result_chunks)
             self._launch(ctx, count, root, agreed, _schedule_name(ctx), link, len(steps), execute, *args)

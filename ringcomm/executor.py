@@ -11,10 +11,10 @@ grow (ready: written by the left; freed: written by the right), stored with rele
 with acquire at system scope.
 
 Memory per communicator and device: one dedicated allocation (cudaMalloc, not a pool block, so no
-pool trim can free it under a neighbour's mapping), exported and mapped by both neighbours once,
-at set-up: a control block of 128-byte lines (counters, the epoch, the abort word) and the FIFOs,
-``CHANNELS x SLOTS x SLOT_BYTES`` (2 MiB by default), and 128 bytes of pinned host memory for the
-error record.
+pool trim can free it under a neighbour's mapping), exported and mapped by the other ranks once,
+at set-up: a control block of 128-byte lines (counters, the epoch, the abort word, the one-shot
+counters), the FIFOs, ``CHANNELS x SLOTS x SLOT_BYTES`` (2 MiB by default), and the one-shot inbox
+(2 x N x RINGCOMM_ONESHOT_BYTES); and 128 bytes of pinned host memory for the error record.
 
 Failures never hang and never trap: every wait inside the kernel has the communicator's deadline;
 on expiry (or a neighbour's call that differs: each call's first piece is a header with the call
@@ -31,7 +31,12 @@ table, made on a stream of its own when the kind of call is new, kept while the 
 every replay runs the collective again (the epoch is in device memory; a call's scratch is the
 graph's own: Communicator._scratch_array). A capture may not depend on work outside it, so captured
 calls are not ordered after the eager ones on other streams: the caller orders the graph's stream
-with them, as for NCCL. Not yet: a one-shot kernel for small sizes.
+with them, as for NCCL.
+
+Small all-reduces (up to RINGCOMM_ONESHOT_BYTES, on rings of up to ONESHOT_MAX_RANKS) run one-shot
+in the same kernel (nsteps = -1): every rank pushes its buffer into every other rank's inbox and
+folds the N copies in ringcomm.schedule.fold_order, the ring's bits in one exchange instead of
+2(N-1) steps (csrc/ring.cu's oneshot_block). So every rank maps every other rank's allocation.
 
 Co-residency: every rank's blocks must run at once, or the ring waits on blocks that cannot start.
 At set-up (transports.select) :func:`kernel_fit` keeps the kernel only where each GPU has room for
@@ -51,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import env
 from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
 from .engine import Context, bind
 from .errors import AbortError, MismatchError, NotCoResident, TimeoutError
@@ -77,6 +83,10 @@ COLLECTIVE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broa
 _CODE_NAMES = {v: k for k, v in COLLECTIVE_CODES.items()}
 #: seconds the set-up's probe kernel waits for the neighbours' blocks (at most the communicator's timeout)
 PROBE_SECONDS = 5.0
+#: one-shot all-reduces (csrc/ring.cu, nsteps = -1): at most this many ranks (RC_ONESHOT_MAX_RANKS), and
+#: by default up to this many bytes (RINGCOMM_ONESHOT_BYTES; 0: never): each rank's inbox holds 2 x N x it
+ONESHOT_MAX_RANKS = 8
+ONESHOT_BYTES = 64 << 10
 
 
 def kernel_fit(records: Any) -> tuple[int, str]:
@@ -108,6 +118,14 @@ def kernel_fit(records: Any) -> tuple[int, str]:
     return channels, ""
 
 
+def all_reach(records: Any) -> bool:
+    """Whether every rank's GPU can map every other rank's memory (one node; the same GPU, or peer
+    access), as a one-shot call needs; a kernel ring needs it only of its edges."""
+    return all(
+        a.node == b.node and (a.gpu == b.gpu or b.gpu in a.peers) for a in records for b in records if a is not b
+    )
+
+
 def _bus(gpu: int) -> str:
     """A bus id from transports.bus_id back in CUDA's form "dddd:bb:dd.f"."""
     return f"{gpu >> 24:04x}:{gpu >> 16 & 0xFF:02x}:{gpu >> 8 & 0xFF:02x}.{gpu & 0xFF:x}"
@@ -120,12 +138,14 @@ _mapped_by_peers: list = []
 
 def fifo_offset(channels: int) -> int:
     """csrc/ring.cu's RC_RING_FIFO_OFFSET: the control block's bytes, rounded up to 4096."""
-    return -(-(3 * channels + 1) * 128 // 4096) * 4096
+    return -(-(3 * channels + 1 + 2 * channels * ONESHOT_MAX_RANKS) * 128 // 4096) * 4096
 
 
-def region_bytes(channels: int) -> int:
-    """Bytes of one rank's dedicated allocation: the control block and the FIFOs."""
-    return fifo_offset(channels) + channels * SLOTS * SLOT_BYTES
+def region_bytes(channels: int, ranks: int, oneshot: int) -> int:
+    """Bytes of one rank's dedicated allocation: the control block, the FIFOs, and the one-shot inbox
+    (2 halves x ``ranks`` senders x ``oneshot`` bytes, where one-shot calls run)."""
+    inbox = 2 * ranks * oneshot if ranks <= ONESHOT_MAX_RANKS else 0
+    return fifo_offset(channels) + channels * SLOTS * SLOT_BYTES + inbox
 
 
 def step_table(
@@ -161,14 +181,19 @@ class RingExecutor:
     handles and runs the probe), at set-up; raises :class:`NotCoResident` (on every rank) where the
     probe fails, its resources freed."""
 
-    def __init__(self, comm: Any, channels: int) -> None:
+    def __init__(self, comm: Any, channels: int, mesh: bool) -> None:
         import cupy
 
         self.comm, self.cupy = comm, cupy
         rt = cupy.cuda.runtime
         self.device_id = int(rt.getDevice())
         self.channels = channels  # (kernel_fit's: the same on every rank)
-        self.nbytes = region_bytes(self.channels)
+        #: all-reduces up to this many bytes run one-shot (RINGCOMM_ONESHOT_BYTES, in 256-byte units; 0: none;
+        #: none either over ONESHOT_MAX_RANKS ranks, or where some rank cannot map another's memory: ``mesh``)
+        self.oneshot = -(-max(0, env("RINGCOMM_ONESHOT_BYTES", int, ONESHOT_BYTES)) // 256) * 256
+        if comm.size > ONESHOT_MAX_RANKS or not mesh:
+            self.oneshot = 0
+        self.nbytes = region_bytes(self.channels, comm.size, self.oneshot)
         self.memory = cupy.cuda.Memory(self.nbytes)  # cudaMalloc: dedicated, exportable
         _mapped_by_peers.append(self.memory)  # (freed by close() alone, once the neighbours unmapped it)
         whole = cupy.ndarray((self.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(self.memory, 0))
@@ -180,20 +205,29 @@ class RingExecutor:
         self.err_ptr = int(self.err.ctypes.data)
         handle = rt.ipcGetMemHandle(self.memory.ptr)
         setup = Context("the ring executor's set-up", comm, comm._host, np.dtype(np.uint8), None)
-        table = comm._allgather_ints(setup, _words(handle), "exchanging the ring executor's memory handles")
-        left, right = comm.left, comm.right
+        words = np.append(_words(handle), self.oneshot)
+        table = comm._allgather_ints(setup, words, "exchanging the ring executor's memory handles")
+        if len({int(row[-1]) for row in table}) > 1:  # (every rank writes into the others' inboxes)
+            values = ", ".join(f"rank {r}: {int(row[-1])}" for r, row in enumerate(table))
+            raise MismatchError(f"the ranks disagree on RINGCOMM_ONESHOT_BYTES ({values})")
+        # the other ranks' allocations, mapped here, by ring place (this rank's own at its place): the
+        # neighbours' (a ring kernel writes into them), every rank's where one-shot calls run (0: unmapped)
         self._opened: list[int] = []
-
-        def open_peer(rank: int) -> int:
-            ptr = int(rt.ipcOpenMemHandle(table[rank].tobytes(), rt.cudaIpcMemLazyEnablePeerAccess))
-            self._opened.append(ptr)
-            return ptr
-
-        self.left_ptr = open_peer(left)
-        self.right_ptr = self.left_ptr if right == left else open_peer(right)
+        self.peers = []
+        near = {comm.left, comm.right}
+        for rank in comm.ring:
+            if rank == comm.rank:
+                self.peers.append(self.memory.ptr)
+            elif rank not in near and not self.oneshot:
+                self.peers.append(0)
+            else:
+                handle = table[rank][:-1].tobytes()
+                self._opened.append(int(rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)))
+                self.peers.append(self._opened[-1])
+        self.left_ptr, self.right_ptr = self.peers[comm.position - 1], self.peers[(comm.position + 1) % comm.size]
         probe = kernel("ring.cu", "ringcomm_ring_sum_u8")  # (compiled before the ranks meet: no skew)
         # every rank's control block is zero before any kernel writes into a neighbour's
-        wait([comm.mpi.Ibarrier()], setup, None, left, "the ring executor's set-up")
+        wait([comm.mpi.Ibarrier()], setup, None, comm.left, "the ring executor's set-up")
         #: per kind of call (steps, bounds, in place, dtype, op, root): (steps, kernel, arguments
         #: before and after the buffers', bytes sent, the step table in device memory)
         self.calls: OrderedDict[tuple, tuple] = OrderedDict()
@@ -273,19 +307,46 @@ class RingExecutor:
             np.uint64(SLOT_BYTES),
         )
 
+    def summary(self) -> str:
+        """What the bench header says of this executor: its blocks and the one-shot's crossover."""
+        what = f"{self.channels} block(s) per rank, each a FIFO of {SLOTS} x {SLOT_BYTES >> 10} KiB; "
+        if not self.oneshot:
+            return what + "all-reduces by the ring's steps (no one-shot: RINGCOMM_ONESHOT_BYTES=0, or over 8 ranks)"
+        return what + (
+            f"all-reduces up to {self.oneshot} B one-shot (every rank's buffer to every other rank, folded in the "
+            "ring's order; RINGCOMM_ONESHOT_BYTES), larger ones by the ring's steps"
+        )
+
     def run(
         self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, work: Any, src: Any, result_chunks: Any = ()
     ) -> int:
         """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent."""
-        device = ctx.device
-        acc = ctx.acc
-        key = (id(steps), bounds, work is src, tuple(result_chunks), ctx.dtype, ctx.op, ctx.root, ctx.collective)
-        key += (ctx.wide,)
+        key = self.key(ctx, steps, bounds, work is src, result_chunks)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
             call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks)
-        else:
-            self.calls.move_to_end(key)
+        return self.launch(key, call, ctx.device, work, src, ctx.acc)
+
+    def key(self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any) -> tuple:
+        """What a kind of call's launch is kept by (:attr:`calls`): its steps, chunks and header."""
+        header = (ctx.dtype, ctx.op, ctx.root, ctx.collective, ctx.wide)
+        return (id(steps), bounds, in_place, tuple(result_chunks), *header, self.one_shot(ctx, bounds))
+
+    def one_shot(self, ctx: Any, bounds: Bounds) -> bool:
+        """Whether the call runs one-shot: an all-reduce of at most :attr:`oneshot` bytes (not
+        accumulate="float32"); else the ring's steps."""
+        count = bounds[-1][1] if bounds else 0
+        return ctx.collective == "all_reduce" and not ctx.wide and count * ctx.dtype.itemsize <= self.oneshot
+
+    def algorithm(self, ctx: Any, bounds: Bounds, ring: str) -> str:
+        """The call's algorithm for the DEBUG log: "one-shot (one kernel)", or ``ring`` (the schedule's
+        name) in one kernel."""
+        return f"{'one-shot' if self.one_shot(ctx, bounds) else ring} (one kernel)"
+
+    def launch(self, key: tuple, call: tuple, device: Any, work: Any, src: Any, acc: Any = None) -> int:
+        """Queue the kept ``call`` (:attr:`calls`'s ``key``) on ``device``'s stream; return the payload bytes
+        sent (run's work once it found the call; collectives' kernel lane calls it straight)."""
+        self.calls.move_to_end(key)
         _, k, head, tail, sent, table = call
         stream = device.stream
         capturing = stream.is_capturing()
@@ -309,7 +370,11 @@ class RingExecutor:
         in device memory (copied in on the call's stream), the kernel, its arguments but the
         buffers', and the payload bytes sent."""
         comm, dtype, op, device = self.comm, ctx.dtype, ctx.op, ctx.device
-        host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
+        one_shot = self.one_shot(ctx, bounds)
+        if one_shot:  # (csrc/ring.cu: the chunks, every place's allocation as mapped here, the inbox row's bytes)
+            host = np.array([v for b in bounds for v in b] + self.peers + [self.oneshot], np.int64)
+        else:
+            host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
             with self.setup:
                 table = self.cupy.asarray(host)
@@ -318,11 +383,17 @@ class RingExecutor:
             with device.stream:
                 table = self.cupy.asarray(host)
         k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
-        head = (np.uint64(table.data.ptr), np.int32(len(steps)), np.int32(len(bounds)))
+        head = (np.uint64(table.data.ptr), np.int32(-1 if one_shot else len(steps)), np.int32(len(bounds)))
         count = bounds[-1][1] if bounds else 0
-        tail = self._ring_args(signature(ctx.collective, dtype, op, ctx.root, ctx.wide), count, comm.timeout)
+        sig = signature(ctx.collective, dtype, op, ctx.root, ctx.wide, one_shot)
+        tail = self._ring_args(sig, count, comm.timeout)
         tail += (np.int32(op is AVG and dtype in FLOAT_DTYPES), np.float64(comm.size))
-        sent = sum((bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None)
+        if one_shot:  # (to every other rank)
+            sent = (comm.size - 1) * count * dtype.itemsize
+        else:
+            sent = sum(
+                (bounds[st.send][1] - bounds[st.send][0]) * dtype.itemsize for st in steps if st.send is not None
+            )
         call = self.calls[key] = (steps, k, head, tail, sent, table)
         if len(self.calls) > CALLS:  # its table kept until the kernels that may read it are done
             gone = self.calls.popitem(last=False)[1][-1]
@@ -341,6 +412,10 @@ class RingExecutor:
         step_no = 0 if header else step
         at = "the call's header, before step 0" if header else f"step {step}"
         peer = comm.left if peer_side == 0 else comm.right
+        waited = "a piece from" if peer_side == 0 else "a free FIFO slot at"
+        if 2 <= peer_side < 2 + 2 * ONESHOT_MAX_RANKS:  # (csrc/ring.cu's oneshot_block: 2 + 2q, 3 + 2q)
+            at, peer = "the one-shot exchange", comm.ring[(peer_side - 2) // 2]
+            waited = "the data of" if peer_side % 2 == 0 else "the end of the last one-shot call in its inbox at"
         collective = _CODE_NAMES.get(e[12] & 0xFF, "collective")
         if kind == MISMATCH:
             theirs = e[9:12]
@@ -350,7 +425,6 @@ class RingExecutor:
                 f"as its call {theirs[0]}, rank {comm.rank} {describe(e[12], e[13])} as its call {call}; the ranks "
                 "did not make the same call"
             )
-        waited = "a piece from" if peer_side == 0 else "a free FIFO slot at"
         what = f"ring kernel call {call}, channel {channel}, at {at}: {waited} rank {peer}"
         what += f", counter {observed} of {expected}"
         if kind == ABORTED and origin - 1 != comm.position:
@@ -391,15 +465,17 @@ _OPS = tuple(dict.fromkeys(OPS.values()))
 _DTYPES = tuple(SUFFIX)
 
 
-def signature(collective: str, dtype: np.dtype, op: Any, root: int, wide: bool = False) -> int:
-    """The call's header word: collective, dtype, op, root and accumulate="float32" (``wide``: its
-    partial sums travel in float32), which csrc/ring.cu compares."""
+def signature(collective: str, dtype: np.dtype, op: Any, root: int, wide: bool = False, one_shot: bool = False) -> int:
+    """The call's header word: collective, dtype, op, root, accumulate="float32" (``wide``: its
+    partial sums travel in float32) and one-shot (ranks that chose differently, e.g. with different
+    RINGCOMM_ONESHOT_BYTES, mismatch), which csrc/ring.cu compares."""
     return (
         COLLECTIVE_CODES[collective]
         | ((1 + _DTYPES.index(np.dtype(dtype))) << 8)
         | ((0 if op is None else 1 + _OPS.index(op)) << 16)
         | ((root + 1) << 24)
         | (int(wide) << 40)
+        | (int(one_shot) << 41)
     )
 
 
@@ -410,4 +486,5 @@ def describe(sig: int, count: int) -> str:
     what = f"{_CODE_NAMES.get(code, f'collective #{code}')} of {count} {dtype}"
     if op:
         what += f" ({_OPS[op - 1]}{', accumulate=float32' if sig >> 40 & 1 else ''})"
+    what += " one-shot" if sig >> 41 & 1 else ""
     return what + (f", root {root}" if root >= 0 else "")

@@ -1,8 +1,9 @@
 // csrc/ring.cu's ring executor with its ranks as threads of one process (tests/test_ring_kernel.py):
 // N ranks x C channels, each block on its own thread, every rank's control block and FIFO in one
 // address space, so that ThreadSanitizer (-fsanitize=thread) sees every access of every rank. Runs
-// all-reduce, reduce-scatter and all-gather calls back to back on fresh data (the step tables built
-// here from the schedule's rule, as ringcomm.schedule and engine.bind give them), checks each result
+// all-reduce, reduce-scatter, all-gather and one-shot all-reduce calls back to back on fresh data (the
+// step tables built here from the schedule's rule, as ringcomm.schedule and engine.bind give them; a
+// one-shot call's chunks, every rank's control block and its inbox's bytes per sender), checks each result
 // against the ring's fold computed here element by element and across ranks, bitwise, and prints
 // "ok <calls>". With an argument "timeout", rank N-1 skips the last call: every other rank must
 // record a failure (a timeout, or an abort naming the origin) within the deadline and return.
@@ -28,7 +29,8 @@ struct Rank {
 };
 
 constexpr int CHANNELS = 2, SLOTS = 2;
-constexpr u64 SLOT_BYTES = 256;  // small slots: many pieces per chunk, so the FIFO wraps many times
+constexpr u64 SLOT_BYTES = 256;    // small slots: many pieces per chunk, so the FIFO wraps many times
+constexpr u64 ONESHOT = 16640;     // a one-shot inbox's bytes per sender and half (4099 floats, in 256s)
 
 // the steps of ringcomm.schedule for place r (send chunk, from, recv chunk, reduce, divide, local)
 std::vector<long long> steps(const char* what, int n, int r, bool in_place) {
@@ -71,7 +73,7 @@ Call make_call(int n, const char* what, u64 count) {
 // and epochs carry over from call to call. ``skip_last``: rank N-1 does not make the last call.
 int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
   std::vector<Rank> ranks(n);
-  const u64 fifo = RC_RING_FIFO_OFFSET(CHANNELS) + (u64)CHANNELS * SLOTS * SLOT_BYTES;
+  const u64 fifo = RC_RING_FIFO_OFFSET(CHANNELS) + (u64)CHANNELS * SLOTS * SLOT_BYTES + 2 * n * ONESHOT;
   for (auto& k : ranks) {
     k.ctl.assign(fifo / 8, 0);
     memset(k.err, 0, sizeof k.err);
@@ -90,6 +92,12 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
       for (auto& x : src[i][r]) x = (float)((rand() % 2001) - 1000) / 7.0f;
       work[i][r].assign(c.count, -1.0f);
       std::vector<long long>& t = tables[i][r];
+      if (!strcmp(c.what, "one_shot")) {  // the chunks, every rank's control block, the inbox row's bytes
+        t = c.bounds;
+        for (int q = 0; q < n; ++q) t.push_back((long long)ranks[q].ctl.data());
+        t.push_back((long long)ONESHOT);
+        continue;
+      }
       t = steps(c.what, n, r, false);
       t.insert(t.end(), c.bounds.begin(), c.bounds.end());
       for (int ch = 0; ch < n; ++ch) t.push_back(!strcmp(c.what, "all_gather") && ch == r);  // all-gather's own
@@ -101,7 +109,7 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
       for (size_t i = 0; i < calls.size(); ++i) {
         if (skip_last && r == n - 1 && i + 1 == calls.size()) return;
         const Call& c = calls[i];
-        const int nsteps = (int)(tables[i][r].size() - 3 * n) / 8;
+        const int nsteps = !strcmp(c.what, "one_shot") ? -1 : (int)(tables[i][r].size() - 3 * n) / 8;
         std::vector<std::thread> blocks;
         for (unsigned ch = 0; ch < CHANNELS; ++ch)
           blocks.emplace_back([&, ch] {
@@ -143,7 +151,7 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
         for (int j = 2; j <= n; ++j) acc = src[i][(c + j) % n][e] + acc;
         for (int r = 0; r < n; ++r) {
           float want;
-          if (!strcmp(k.what, "all_reduce")) want = acc;
+          if (!strcmp(k.what, "all_reduce") || !strcmp(k.what, "one_shot")) want = acc;
           else if (!strcmp(k.what, "reduce_scatter")) {
             if (r != c) continue;  // only the owner's chunk is the result
             want = acc;
@@ -177,7 +185,7 @@ int main(int argc, char** argv) {
     return bad;
   }
   int calls = 0;
-  const char* whats[] = {"all_reduce", "reduce_scatter", "all_gather"};
+  const char* whats[] = {"all_reduce", "one_shot", "reduce_scatter", "one_shot", "all_gather"};
   for (int n = 2; n <= 5; ++n) {
     std::vector<Call> sequence;
     for (int round = 0; round < 2; ++round)

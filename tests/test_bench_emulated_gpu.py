@@ -541,3 +541,57 @@ def test_bench_shows_the_ring_and_every_edge_transport(gpu_env, tmp_path):
         (1, 2, "staged"),
         (2, 3, "ipc"),
     ]
+
+
+@emulated_gpu
+def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(gpu_env):
+    """RINGCOMM_TRANSPORT=kernel: the header names the kernel's blocks and up to where all-reduces run
+    one-shot; with two ranks sharing an emulated GPU that is not under MPS, the ring stays host-driven
+    (ipc) and the header says why."""
+    env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_ONESHOT_BYTES": "1000"}
+    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP])
+    assert rc == 0, out[-3000:] + err[-3000:]
+    head = _header(out)
+    assert any(h.endswith("transport kernel") for h in head), head
+    assert (
+        "# Ring kernel: 2 block(s) per rank, each a FIFO of 4 x 64 KiB; all-reduces up to 1024 B one-shot (every "
+        "rank's buffer to every other rank, folded in the ring's order; RINGCOMM_ONESHOT_BYTES), larger ones by the "
+        "ring's steps"
+    ) in head, head
+    (table,) = parse_tables(out)
+    assert table.status == "OK" and table.wrong == 0
+
+    env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_EMULATED_MPS": "0"}
+    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP])
+    assert rc == 0, out[-3000:] + err[-3000:]
+    head = _header(out)
+    assert any(h.endswith("transport ipc") for h in head), head
+    assert (
+        "# Ring kernel: RINGCOMM_TRANSPORT=kernel, but the ring stays host-driven (ipc): ranks 0, 1 share GPU "
+        "0000:00:00.0 of node 0, rank(s) 0, 1 not under MPS, so their kernels would take turns instead of running "
+        "at once: start MPS (nvidia-cuda-mps-control -d) before the job"
+    ) in head, head
+    (table,) = parse_tables(out)
+    assert table.status == "OK" and table.wrong == 0
+
+
+@emulated_gpu
+def test_gpu_host_cost_measures_every_transport_and_ringcomms_python_on_a_kernel_ring(gpu_env, tmp_path):
+    """benchmarks/gpu_host_cost.py at N = 2: a row per transport and size, every result checked
+    (wrong 0), and on the kernel ring the time of ringcomm's Python alone (the launch a no-op)."""
+    path = tmp_path / "cost.json"
+    cmd = ["mpiexec", "-n", "2", "python", "benchmarks/gpu_host_cost.py", "--transports", "ipc", "kernel"]
+    cmd += ["--sizes", "8", "64K", "--iters", "5", "--json", str(path)]
+    run = run_emulated(gpu_env, cmd, 240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["transport"], r["ran"], r["bytes"]) for r in rows] == [
+        ("ipc", "ipc", 8),
+        ("ipc", "ipc", 65536),
+        ("kernel", "kernel", 8),
+        ("kernel", "kernel", 65536),
+    ]
+    assert all(r["wrong"] == 0 and r["us_per_call"] > 0 and r["host_us_per_call"] > 0 for r in rows), rows
+    assert [r["algorithm"] for r in rows[2:]] == ["one kernel"] * 2
+    assert all(r["python_us_per_call"] > 0 for r in rows[2:]) and all(r["python_us_per_call"] == 0 for r in rows[:2])
+    assert "python" in run.stdout.splitlines()[1], run.stdout

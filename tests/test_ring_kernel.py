@@ -64,7 +64,7 @@ def _run(programs, build: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_every_call_is_the_rings_fold_on_every_rank(programs):
     run = _run(programs, "plain")
-    assert run.returncode == 0 and run.stdout.startswith("ok 144"), run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.startswith("ok 240"), run.stdout + run.stderr
 
 
 def test_a_rank_that_skips_a_call_ends_in_a_recorded_failure(programs):
@@ -75,7 +75,7 @@ def test_a_rank_that_skips_a_call_ends_in_a_recorded_failure(programs):
 def test_thread_sanitizer_finds_no_race(programs):
     run = _run(programs, "tsan")
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
-    assert run.returncode == 0 and run.stdout.startswith("ok 144"), run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0 and run.stdout.startswith("ok 240"), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("build", ["no acquire", "no release"])
@@ -86,13 +86,17 @@ def test_a_missing_acquire_or_release_is_a_reported_race(programs, build):
 
 
 def test_the_executor_lays_out_memory_and_reads_failures_as_ring_cu_does():
-    """ringcomm/executor.py's copies of csrc/ring.cu's constants: the FIFO's offset, the error
-    record's size, the failure kinds."""
+    """ringcomm/executor.py's copies of csrc/ring.cu's constants: the FIFO's offset, the one-shot
+    ranks, the error record's size, the failure kinds."""
     from ringcomm import executor
 
     text = (ROOT / "csrc" / "ring.cu").read_text()
-    assert "#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1) * 128) + 4095) / 4096 * 4096)" in text
-    assert [executor.fifo_offset(c) for c in (1, 8, 10, 11)] == [4096, 4096, 4096, 8192]
+    assert (
+        "#define RC_RING_FIFO_OFFSET(C) ((((3 * (C) + 1 + 2 * (C) * RC_ONESHOT_MAX_RANKS) * 128) + 4095) / 4096 * 4096)"
+        in text
+    )
+    assert f"#define RC_ONESHOT_MAX_RANKS {executor.ONESHOT_MAX_RANKS}\n" in text
+    assert [executor.fifo_offset(c) for c in (1, 2, 8)] == [4096, 8192, 20480]
     assert f"#define RC_RING_ERR_WORDS {executor.ERR_WORDS}\n" in text
     assert f"#define RC_RING_ABORTED {executor.ABORTED}\n" in text
     assert f"#define RC_RING_MISMATCH {executor.MISMATCH}\n" in text

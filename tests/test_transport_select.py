@@ -120,3 +120,15 @@ def test_kernel_fit_needs_mps_to_share_a_gpu_and_an_sm_per_block():
     assert kernel_fit([k(gpu=1, mps=False), k(gpu=2, mps=False)]) == (CHANNELS, "")  # no GPU shared: no MPS needed
     bus = transports.bus_id("0001:0a:1f.3")
     assert "GPU 0001:0a:1f.3 of node 2" in kernel_fit([k(node=2, gpu=bus, sms=1)])[1]
+
+
+def test_one_shot_needs_every_rank_to_reach_every_other():
+    """executor.all_reach: a one-shot call writes into every rank's memory, so every GPU must map every
+    other's (the same GPU, or peer access from it, on one node); a ring kernel needs only its edges."""
+    from ringcomm.executor import all_reach
+
+    assert all_reach([rec(gpu=1), rec(gpu=1), rec(gpu=1)])  # one GPU shared
+    assert all_reach([rec(gpu=1, peers={2, 3}), rec(gpu=2, peers={1, 3}), rec(gpu=3, peers={1, 2})])
+    # a ring 1 -> 2 -> 3 -> 1 whose every edge maps, but 2 cannot reach 3's memory
+    assert not all_reach([rec(gpu=1, peers={2, 3}), rec(gpu=2, peers={1}), rec(gpu=3, peers={1, 2})])
+    assert not all_reach([rec(node=0, gpu=1), rec(node=1, gpu=1)])  # another node, the same bus id

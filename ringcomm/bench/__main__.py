@@ -506,9 +506,11 @@ def _header(
             + f" ({comm.ring[0]})"
             + f"  (nodes: {','.join(comm.nodes)})"
         )
-    note = comm._transport("cuda").note if ring is not None and device == "cuda" else ""
-    if note:  # (RINGCOMM_TRANSPORT=kernel where the ranks' kernels cannot all run at once)
-        out(f"# Ring kernel: {note}")
+    link = comm._transport("cuda") if ring is not None and device == "cuda" else None
+    if link is not None and link.note:  # (RINGCOMM_TRANSPORT=kernel where the ranks' kernels cannot all run at once)
+        out(f"# Ring kernel: {link.note}")
+    elif link is not None and link.kernel:  # each collective one kernel (ringcomm.executor)
+        out(f"# Ring kernel: {comm._executors[cupy.cuda.runtime.getDevice()].summary()}")
     window = comm.shared_memory() if device == "host" else None
     if window is not None:  # every rank on one node: host all-reduces meet in the shared-memory window
         small, direct = window[0], comm._window_limit("all_reduce")

@@ -278,9 +278,10 @@ class CudaDevice:
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.get_current_stream()
         self.device_id = int(cp.cuda.runtime.getDevice())
-        kernel("reduce.cu", "ringcomm_reduce_sum_f32")  # compile outside any hot loop (once per process)
-        kernel("copy.cu", "ringcomm_copy")
-        kernel("accumulate.cu", "ringcomm_widen_f16")
+        if "ringcomm_widen_f16" not in _kernels:  # compile outside any hot loop (once per process)
+            kernel("reduce.cu", "ringcomm_reduce_sum_f32")
+            kernel("copy.cu", "ringcomm_copy")
+            kernel("accumulate.cu", "ringcomm_widen_f16")
 
     def reduce(self, dst: Any, a: Any, b: Any, op: ReduceOp, div: int = 1, spare: bool = False) -> None:
         """``dst[:] = op(a, b)``, then divided by ``div`` when div != 1; queued on the stream.

@@ -164,14 +164,17 @@ class Link:
     """This rank's two halves for arrays of one kind: ``recv`` (the edge from the left) and
     ``send`` (the edge to the right); ``edges``: every edge's transport by ring place, as chosen."""
 
-    __slots__ = ("comm", "recv", "send", "edges", "kernel", "channels", "note")
+    __slots__ = ("comm", "recv", "send", "edges", "kernel", "channels", "mesh", "note")
 
-    def __init__(self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...], channels: int = 0) -> None:
+    def __init__(
+        self, comm: Any, recv: Any, send: Any, edges: tuple[str, ...], channels: int = 0, mesh: bool = False
+    ) -> None:
         self.comm, self.recv, self.send, self.edges = comm, recv, send, edges
         #: whether the ring executor runs this ring's collectives: every edge "kernel", two ranks or more
         self.kernel = len(edges) > 1 and set(edges) == {"kernel"}
-        #: the ring kernel's blocks per rank (executor.kernel_fit), for a kernel ring
-        self.channels = channels
+        #: the ring kernel's blocks per rank (executor.kernel_fit), for a kernel ring; ``mesh``: every
+        #: rank can map every other rank's memory (executor.all_reach: one-shot calls may run)
+        self.channels, self.mesh = channels, mesh
         #: why RINGCOMM_TRANSPORT=kernel did not give a kernel ring ("" where it did, or was not asked for)
         self.note = ""
 
@@ -267,11 +270,11 @@ def select(comm: Any, kind: str) -> Link:
         )
     ]
     edges = choose_edges(records, comm.ring)
-    channels, why = 0, ""
+    channels, why, mesh = 0, "", False
     if "kernel" in edges:  # (every edge: choose_edges)
-        from ..executor import kernel_fit
+        from ..executor import all_reach, kernel_fit
 
-        channels, why = kernel_fit(records)
+        (channels, why), mesh = kernel_fit(records), all_reach(records)
     if name == "ipc-stream" and "ipc" in edges:
         msg = (
             f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
@@ -281,7 +284,7 @@ def select(comm: Any, kind: str) -> Link:
         log.warning(msg)
     recv_cls, _, recv_args = _halves(comm, edges[p])
     _, send_cls, send_args = _halves(comm, edges[(p + 1) % n])
-    link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges, channels)
+    link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges, channels, mesh)
     if why:
         link.keep_host_driven(why)
     log.debug(

@@ -380,6 +380,58 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     comm.check_errors()
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_kernel_lane_repeats_an_all_reduce_with_its_checks_and_launch_alone(monkeypatch):
+    """RINGCOMM_TRANSPORT=kernel: an all-reduce like one that ran before (count, dtype, op, in place
+    or not, on CuPy's current stream) takes the kernel lane (collectives._kernel_lane): no schedule,
+    no new Context or device, only its checks and the launch. Its results stay right on every call;
+    what the lane does not take (another op, a 2-D array, out overlapping x or on x itself, stream=)
+    goes the full path, with its errors."""
+    from ringcomm.communicator import Communicator
+
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = comm_with("kernel")
+    full = []
+    run = Communicator._run
+
+    def counted(self, ctx, *args, **kw):
+        full.append(ctx.collective)
+        return run(self, ctx, *args, **kw)
+
+    monkeypatch.setattr(Communicator, "_run", counted)
+    x = cupy.empty(1003, cupy.float32)
+    y = cupy.empty_like(x)
+    base = n * (n - 1) // 2
+    for i in range(20):
+        x[...] = i + r
+        assert comm.all_reduce(x, out=y) is y
+        assert comm.all_reduce(y) is y  # in place: a lane of its own
+        assert (host(y) == n * (n * i + base)).all(), f"call {i}: {host(y)[:4]}"
+        assert (host(x) == i + r).all()
+    assert full == ["all_reduce", "all_reduce"], full  # the first call of each kind only
+    comm.all_reduce(x, op="max", out=y)
+    assert (host(y) == i + n - 1).all() and len(full) == 3
+    m = cupy.full((7, 11), r + 1, cupy.int32)
+    for _ in range(2):  # (2-D: the full path every time)
+        m[...] = r + 1
+        comm.all_reduce(m)
+        assert (host(m) == base + n).all()
+    assert len(full) == 5
+    with pytest.raises(ValueError, match="out partly overlaps x"):
+        comm.all_reduce(x[:1000], out=x[3:])
+    comm.all_reduce(x, out=x)  # (out is x: in place, the full path)
+    assert (host(x) == n * i + base).all()
+    s = cupy.cuda.Stream(non_blocking=True)
+    x[...] = r
+    cupy.cuda.Device().synchronize()
+    comm.all_reduce(x, out=y, stream=s)
+    s.synchronize()
+    assert (host(y) == base).all() and len(full) == 7
+    comm.check_errors()
+
+
 @pytest.mark.parallel(nprocs=[2])
 def test_arrays_ringcomm_allocates_belong_to_the_call_stream():
     """reduce_scatter's result and all_gather's output (out=None) are allocated by ringcomm and

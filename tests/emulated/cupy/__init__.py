@@ -1524,7 +1524,7 @@ class _Kernel:
         table, nsteps, nchunks, work, src, acc, mine, left, right, err, sig, count, timeout = vals[:13]
         place, slots, slot_bytes, use_div, div = vals[13:]
         item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
-        touch(table, (8 * nsteps + 3 * nchunks) * 8)
+        touch(table, (8 * nsteps + 3 * nchunks) * 8 if nsteps >= 0 else (3 * nchunks + 1) * 8)  # (-1: one-shot)
         touch(work, count * item)
         touch(src, count * item)
         if acc:
