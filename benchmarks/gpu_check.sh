@@ -391,10 +391,10 @@ step "one-kernel bench" bash -o pipefail -c "
 for n in 2 4; do
   for t in ipc kernel kernel-ring; do
     impl=ringcomm; [ \$t = ipc ] && impl=ringcomm,nccl
-    top=1G; oneshot=; [ \$t = kernel-ring ] && top=256K oneshot=0
-    $NCCL_ENV RINGCOMM_TRANSPORT=\${t%-ring} RINGCOMM_ONESHOT_BYTES=\$oneshot RINGCOMM_TIMEOUT=20 mpiexec -n \$n \\
-      $PY -m ringcomm.bench --device cuda --impl \$impl -c all_reduce -b 8 -e \$top -f 8 -n 10 -w 2 --time-budget 0.4 \\
-      --timeout 25 --json '$OUTDIR'/bench_\${t}_n\$n.json > '$OUTDIR'/bench_\${t}_n\$n.txt || exit 1
+    top=1G; export RINGCOMM_ONESHOT_BYTES=; [ \$t = kernel-ring ] && top=256K RINGCOMM_ONESHOT_BYTES=0
+    $NCCL_ENV RINGCOMM_TRANSPORT=\${t%-ring} RINGCOMM_TIMEOUT=20 mpiexec -n \$n $PY -m ringcomm.bench --device cuda \\
+      --impl \$impl -c all_reduce -b 8 -e \$top -f 8 -n 10 -w 2 --time-budget 0.4 --timeout 25 \\
+      --json '$OUTDIR'/bench_\${t}_n\$n.json > '$OUTDIR'/bench_\${t}_n\$n.txt || exit 1
   done
 done"
 

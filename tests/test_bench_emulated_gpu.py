@@ -96,7 +96,7 @@ def fake_nccl(tmp_path_factory) -> dict[str, str]:
     return libs
 
 
-def _bench(env: dict, args: list[str], **extra: str) -> tuple[int, str, str]:
+def _bench(env: dict, args: list[str], impl: str = "ringcomm,nccl,mpi", **extra: str) -> tuple[int, str, str]:
     cmd = [
         "mpiexec",
         "-n",
@@ -107,7 +107,7 @@ def _bench(env: dict, args: list[str], **extra: str) -> tuple[int, str, str]:
         "--device",
         "cuda",
         "--impl",
-        "ringcomm,nccl,mpi",
+        impl,
         "--timeout",
         "60",
         *args,
@@ -549,7 +549,7 @@ def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(g
     one-shot; with two ranks sharing an emulated GPU that is not under MPS, the ring stays host-driven
     (ipc) and the header says why."""
     env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_ONESHOT_BYTES": "1000"}
-    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP])
+    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP], impl="ringcomm")
     assert rc == 0, out[-3000:] + err[-3000:]
     head = _header(out)
     assert any(h.endswith("transport kernel") for h in head), head
@@ -562,7 +562,7 @@ def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(g
     assert table.status == "OK" and table.wrong == 0
 
     env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_EMULATED_MPS": "0"}
-    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP])
+    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP], impl="ringcomm")
     assert rc == 0, out[-3000:] + err[-3000:]
     head = _header(out)
     assert any(h.endswith("transport ipc") for h in head), head

@@ -4,8 +4,8 @@
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
 something waits for it; so the CUDA device, the IPC and staged transports, their handshakes and
-the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests and the ring
-kernel's two-ranks-per-GPU test, 5 in its one-GPU test). Skipped without a C++ compiler or mpiexec.
+the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests, 5 in the ring
+kernel's one-GPU test). Skipped without a C++ compiler or mpiexec.
 Where a real CuPy is installed, the GPU tests run on the GPU instead and this test is skipped.
 """
 
@@ -21,7 +21,6 @@ from conftest import run_emulated
 def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     env = dict(emulated_gpu_env)
     tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
-    tests += ["-k", "not two_ranks_per_gpu"]  # (the two-GPUs variant's)
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
         env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,ipc-stream"  # (those that export user buffers)
@@ -43,7 +42,7 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
             "tests/gpu/test_cuda_topology.py",
             "tests/gpu/test_cuda_collectives.py",
             "-k",
-            "mixed or every_op_and_dtype or back_to_back or two_ranks_per_gpu",
+            "mixed or every_op_and_dtype or back_to_back",
         ]
     run = run_emulated(env, ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests], 900)
     tail = (run.stdout + run.stderr)[-6000:]

@@ -294,7 +294,8 @@ def test_every_step_with_the_carried_nccl_or_without(tmp_path, carried):
     smoke = [c for c in log if c["args"][0].endswith("gpu_smoke_test.py")]
     bench = [c for c in log if c["args"][:2] == ["-m", "ringcomm.bench"]]
     others = [c for c in log if c not in smoke and c not in bench]
-    assert len(bench) == 2 + 2 * (2 + 4), log  # ringcomm-bench at N = 2; ipc and kernel at N = 2 and 4
+    # ringcomm-bench at N = 2; ipc, kernel and kernel without one-shot at N = 2 and 4
+    assert len(bench) == 2 + 3 * (2 + 4), log
     assert others and all(c["lib"] is None for c in others), others  # the tests and other benchmarks: CuPy's NCCL
     if carried == "none":
         assert rc == 0 and smoke == [], out
