@@ -336,7 +336,8 @@ class RingExecutor:
         """Whether the call runs one-shot: an all-reduce of at most :attr:`oneshot` bytes (not
         accumulate="float32"); else the ring's steps."""
         count = bounds[-1][1] if bounds else 0
-        return ctx.collective == "all_reduce" and not ctx.wide and count * ctx.dtype.itemsize <= self.oneshot
+        small = 0 < self.oneshot and count * ctx.dtype.itemsize <= self.oneshot
+        return small and ctx.collective == "all_reduce" and not ctx.wide
 
     def algorithm(self, ctx: Any, bounds: Bounds, ring: str) -> str:
         """The call's algorithm for the DEBUG log: "one-shot (one kernel)", or ``ring`` (the schedule's
