@@ -273,10 +273,6 @@ def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
     )
     env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
     env.setdefault("RINGCOMM_TEST_TIMEOUT", "60")
-    # MPICH's blocking calls (the tests' own gathers and barriers) busy-poll; with more ranks than cores,
-    # that starves the emulated GPU's ring-kernel block threads (host threads here, unlike a GPU's SMs)
-    # until their deadline: measured at N = 5 on 2 cores, ring kernels timing out after 20 s. Sleep instead.
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     env.pop("RINGCOMM_TRANSPORT", None)
     return env
 
