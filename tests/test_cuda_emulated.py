@@ -21,6 +21,9 @@ from conftest import run_emulated
 def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     env = dict(emulated_gpu_env)
     tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
+    # (CI time: the ring kernel's N = 5 matrix, about 35 s here, runs by hand:
+    # RINGCOMM_TEST_TRANSPORTS=kernel python -m pytest tests/gpu -k 5_ranks, with the emulated GPU's env)
+    tests += ["-k", "not 5_ranks"]
     if variant == "pool-exported":
         # MPICH's blocking calls (the tests' own gathers) busy-poll; with more ranks than cores that starves
         # the emulated GPU's ring-kernel block threads (host threads here, not a GPU's SMs) until their
