@@ -4,8 +4,8 @@
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
 something waits for it; so the CUDA device, the IPC and staged transports, their handshakes and
-the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests, 5 in the ring
-kernel's one-GPU test). Skipped without a C++ compiler or mpiexec.
+the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests; the ring kernel's
+N = 5 test runs by hand). Skipped without a C++ compiler or mpiexec.
 Where a real CuPy is installed, the GPU tests run on the GPU instead and this test is skipped.
 """
 
