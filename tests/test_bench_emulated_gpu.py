@@ -548,31 +548,31 @@ def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(g
     """RINGCOMM_TRANSPORT=kernel: the header names the kernel's blocks and up to where all-reduces run
     one-shot; with two ranks sharing an emulated GPU that is not under MPS, the ring stays host-driven
     (ipc) and the header says why."""
-    env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_ONESHOT_BYTES": "1000"}
-    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP], impl="ringcomm")
-    assert rc == 0, out[-3000:] + err[-3000:]
-    head = _header(out)
-    assert any(h.endswith("transport kernel") for h in head), head
-    assert (
-        "# Ring kernel: 2 block(s) per rank, each a FIFO of 4 x 64 KiB; all-reduces up to 1024 B one-shot (every "
-        "rank's buffer to every other rank, folded in the ring's order; RINGCOMM_ONESHOT_BYTES), larger ones by the "
-        "ring's steps"
-    ) in head, head
-    (table,) = parse_tables(out)
-    assert table.status == "OK" and table.wrong == 0
-
-    env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_EMULATED_MPS": "0"}
-    rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP], impl="ringcomm")
-    assert rc == 0, out[-3000:] + err[-3000:]
-    head = _header(out)
-    assert any(h.endswith("transport ipc") for h in head), head
-    assert (
-        "# Ring kernel: RINGCOMM_TRANSPORT=kernel, but the ring stays host-driven (ipc): ranks 0, 1 share GPU "
-        "0000:00:00.0 of node 0, rank(s) 0, 1 not under MPS, so their kernels would take turns instead of running "
-        "at once: start MPS (nvidia-cuda-mps-control -d) before the job"
-    ) in head, head
-    (table,) = parse_tables(out)
-    assert table.status == "OK" and table.wrong == 0
+    cases = [
+        (
+            {"RINGCOMM_ONESHOT_BYTES": "1000"},
+            "kernel",
+            "# Ring kernel: 2 block(s) per rank, each a FIFO of 4 x 64 KiB; all-reduces up to 1024 B one-shot (every "
+            "rank's buffer to every other rank, folded in the ring's order; RINGCOMM_ONESHOT_BYTES), larger ones by "
+            "the ring's steps",
+        ),
+        (
+            {"RINGCOMM_EMULATED_MPS": "0"},
+            "ipc",
+            "# Ring kernel: RINGCOMM_TRANSPORT=kernel, but the ring stays host-driven (ipc): ranks 0, 1 share GPU "
+            "0000:00:00.0 of node 0, rank(s) 0, 1 not under MPS, so their kernels would take turns instead of "
+            "running at once: start MPS (nvidia-cuda-mps-control -d) before the job",
+        ),
+    ]
+    for extra, transport, line in cases:
+        env = {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", **extra}
+        rc, out, err = _bench(env, ["-c", "all_reduce", *SWEEP], impl="ringcomm")
+        assert rc == 0, out[-3000:] + err[-3000:]
+        head = _header(out)
+        assert any(h.endswith(f"transport {transport}") for h in head), head
+        assert line in head, head
+        (table,) = parse_tables(out)
+        assert table.status == "OK" and table.wrong == 0
 
 
 @emulated_gpu
