@@ -146,7 +146,7 @@ else
 fi
 # Several ranks on one GPU: without MPS the GPU time-slices their contexts, and a step that waits on another
 # rank's GPU work waits out time slices (the first run on an H200, 2026-12-04: ipc 3.5 ms per all-reduce at
-# N = 4 from 64 KiB to 4 MiB, ipc-stream 3-4 ms per step). With MPS their kernels share the GPU at once, as
+# N = 4 from 64 KiB to 4 MiB, the since removed ipc-stream 3-4 ms per step). With MPS their kernels share the GPU at once, as
 # ranks on GPUs of their own would. So the check starts an MPS daemon of its own (GPU_CHECK_MPS=0: it does
 # not), keeps it only if a CUDA client runs under it, and stops it at the end.
 MPS_PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
@@ -375,8 +375,8 @@ step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.
 # ----------------------------------------------------------------- 6. all-reduce 1 GiB, IPC vs staged
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
-step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --transports ipc ipc-stream kernel --iters 50 \
-    --json '$OUTDIR/gpu_host_cost.json' && mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --transports ipc ipc-stream kernel \
+step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --transports ipc kernel --iters 50 \
+    --json '$OUTDIR/gpu_host_cost.json' && mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --transports ipc kernel \
     --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 
 # ------------------------------------------------------------ 7. ringcomm against NCCL and MPI, 2 ranks
@@ -479,7 +479,7 @@ if os.path.exists(bj):
     print(f"  wrong elements over every row: {wrong}")
 cols, table, wrong = [], {}, 0
 for n in (2, 4):
-    for t in ("ipc", "ipc-stream"):
+    for t in ("ipc", "kernel", "kernel-ring"):
         path = os.path.join(out, f"bench_{t}_n{n}.json")
         if not os.path.exists(path):
             continue
@@ -490,13 +490,15 @@ for n in (2, 4):
             if name not in cols:
                 cols.append(name)
             g = r["results"]["out-of-place"]
-            table.setdefault(r["size"], {})[name] = g.get("busbw")
+            if g.get("time_us") is not None:
+                table.setdefault(r["size"], {})[name] = f"{g['time_us']:.1f} ({g.get('busbw') or 0:.1f})"
             wrong += sum(x.get("wrong") or 0 for x in r["results"].values())
 if cols:
-    print("all_reduce busbw GB/s out-of-place, ranks sharing the one GPU (ringcomm over ipc / ipc-stream, NCCL):")
-    print(f"  {'size':>10} " + " ".join(f"{c:>16}" for c in cols))
+    print("all_reduce us per call out-of-place (busbw GB/s), ranks sharing the one GPU (ringcomm over ipc, as one "
+          "kernel, and as one kernel without the one-shot: kernel-ring; NCCL):")
+    print(f"  {'size':>10} " + " ".join(f"{c:>18}" for c in cols))
     for size in sorted(table):
-        print(f"  {size:>10} " + " ".join(f"{table[size].get(c) or float('nan'):16.1f}" for c in cols))
+        print(f"  {size:>10} " + " ".join(f"{table[size].get(c, '-'):>18}" for c in cols))
     print(f"  wrong elements over these rows: {wrong}")
 EOF
     echo "logs and JSON: $OUTDIR (all but gpu_check.log and summary.txt packed into results.tgz)"

@@ -1,6 +1,6 @@
 """Where a GPU all-reduce's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
 
-    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged ipc-stream kernel]
+    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged kernel]
                                                      [--sizes 8 64K 1M] [--iters 200] [--top K] [--json out.json]
 
 For each transport (RINGCOMM_TRANSPORT, one Communicator each) and size: a float32 all-reduce out of
@@ -8,7 +8,7 @@ place, called back to back (``--iters`` calls after 20 warm-up ones, the stream 
 ``us/call`` is the slowest rank's mean wall time per call. ``in call``: the slowest rank's mean time
 inside the call itself, each call made on an idle stream (synchronized after it, outside the timing): the
 host time a call costs (all of it where the call waits for the GPU; the checks and the launch alone where
-it returns before its kernels run: ipc-stream, kernel). ``python`` (kernel only): the slowest rank's time
+it returns before its kernel runs: kernel). ``python`` (kernel only): the slowest rank's time
 per call with the kernel launch and the event wait and record made no-ops, ringcomm's own Python (with
 CuPy's stream and device queries): what the host time per call is without CUDA's launch cost, which is
 the same for any library (on the emulated GPU, the emulation's launch dominates ``in call``). Then the
@@ -115,7 +115,7 @@ def top(stats: pstats.Stats, k: int, calls: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transports", nargs="+", default=["ipc", "staged", "ipc-stream"])
+    p.add_argument("--transports", nargs="+", default=["ipc", "staged", "kernel"])
     p.add_argument("--sizes", nargs="+", default=["8", "64K", "1M"], help="buffer sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--top", type=int, default=0, metavar="K", help="list rank 0's K functions of most own time")

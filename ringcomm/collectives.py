@@ -234,18 +234,13 @@ def all_reduce(
     shared = comm._shared if kind == "host" else None
     if comm._via_host(kind, src.nbytes):
         _through_host(comm, ctx, count, src, 0, work, partial(all_reduce, comm, op=op, accumulate=accumulate))
-    elif (
-        1 < n
-        and src.nbytes <= comm._small(kind)
-        and (shared is None or src.nbytes <= shared.small)
-        and (kind == "host" or not comm._transport(kind).kernel)
-    ):
+    elif kind == "host" and 1 < n and src.nbytes <= comm.small_bytes and (shared is None or src.nbytes <= shared.small):
         # Latency-bound: gather every rank's whole buffer (engine.GatherFold; in shared memory on
         # one node), then fold the N blocks locally in the ring's order (bitwise the ring's result).
         # With a window, what its slots cannot hold goes to its inbox (Communicator._run) or the
         # ring, never to an MPI gather: ranks whose small_bytes differ then meet in the window,
         # whose headers tell a slot from an inbox (a MismatchError, not a timeout)
-        small = comm._gather_plan(ctx, kind, count)
+        small = comm._gather_plan(ctx, count)
         acc = comm._partial_sums(kind, device, count) if wide else None
         comm._launch(ctx, count, -1, False, small.algorithm, small.link, n - 1, small.run, work, src, acc)
         if wide:

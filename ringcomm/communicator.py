@@ -119,7 +119,7 @@ class Communicator:
     many bytes gather whole buffers round the ring and reduce locally, N-1 steps instead of 2(N-1)
     (env ``RINGCOMM_SMALL_BYTES``; 0 turns it off); GPU collectives of at most this many bytes (an
     all-gather's out; the smallest of any rank's, so that all route alike) go through the host, on rings
-    with no ipc-stream edge. ``shared_memory``: when MPI puts every rank on
+    whose collectives are not ring kernels. ``shared_memory``: when MPI puts every rank on
     one node, host collectives up to a few MiB meet in an MPI shared-memory window
     instead of MPI messages (transports.shm; env ``RINGCOMM_SHM``; any rank's False or no /dev/shm space turns
     it off for all). Creating a Communicator is collective.
@@ -228,9 +228,7 @@ class Communicator:
         #: weak references to the (x, out) of the last small all-reduce found apart by
         #: np.may_share_memory (collectives._small_host; None: none yet)
         self._apart: tuple | None = None
-        #: ipc-stream: the GPU-side handshakes (wait streams and watchdogs) by device, and the error a
-        #: watchdog found after a call returned (raised by the next call or check_errors())
-        self._handshakes: dict[int, Any] = {}
+        #: the error a ring kernel recorded after its call returned (raised by the next call or check_errors())
         self._late_error: BaseException | None = None
         #: RINGCOMM_TRANSPORT=kernel: the ring executor by device (ringcomm.executor), made on first use
         self._executors: dict[int, Any] = {}
@@ -257,13 +255,10 @@ class Communicator:
     def check_errors(self) -> None:
         """Raise the error of a GPU collective that failed after its call returned, if any.
 
-        With ``RINGCOMM_TRANSPORT=ipc-stream`` a call returns once its steps are queued; a peer that
-        then does not advance is noticed by a watchdog thread, which releases the waiting streams
-        and records a :class:`ringcomm.TimeoutError` (collective, step, this rank, the peer). With
-        ``RINGCOMM_TRANSPORT=kernel`` the call's kernel itself records a failure (a timeout, an abort
-        by a neighbour, a neighbour's different call) in pinned host memory and returns. That error
-        is raised here, or by the next call, and the communicator is aborted (the neighbours are
-        told). Without such an error this returns None.
+        With ``RINGCOMM_TRANSPORT=kernel`` a call returns once its kernel is queued, and the kernel
+        itself records a failure (a timeout, an abort by a neighbour, a neighbour's different call)
+        in pinned host memory and returns. That error is raised here, or by the next call, and the
+        communicator is aborted (the neighbours are told). Without such an error this returns None.
         """
         self._poll_executors()
         error = self._late_error
@@ -292,7 +287,7 @@ class Communicator:
         return None if self._shared is None else (self._shared.small, self._shared.direct)
 
     def transport_name(self, array: Any) -> str:
-        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", "ipc-stream", "staged"),
+        """The name of the transport a collective on ``array`` would use ("mpi", "ipc", "staged", "kernel"),
         or "mixed" when the ring's edges use different ones (as this rank knows them: an edge whose
         IPC set-up failed elsewhere may have turned to staging). The first call for GPU arrays is
         collective (the ranks exchange what their GPUs can reach), as a first collective is."""
@@ -319,16 +314,8 @@ class Communicator:
             return
         self._free_plans()
         self._free_gathers()
-        # ipc-stream: calls return before their GPU work; mappings close only after it completed
-        drained = all([hs.drain(self) for hs in self._handshakes.values()])  # noqa: C419 - drain every one
-        for kind, link in self._transports.items():
-            if drained or kind == "host":
-                link.close()
-            else:  # GPU work still queued may use the mappings and what they map: kept for the process's life
-                abandon(None, link)
-        for hs in self._handshakes.values():
-            hs.close()
-        self._handshakes.clear()
+        for link in self._transports.values():
+            link.close()
         for ex in self._executors.values():
             ex.close()
         self._executors.clear()
@@ -417,17 +404,9 @@ class Communicator:
     def _via_host(self, kind: str, nbytes: int) -> bool:
         """Whether a collective of ``nbytes`` (the whole buffer: x, or all_gather's out) of ``kind``
         arrays goes through the host (collectives._through_host): GPU arrays up to the agreed
-        small_bytes whose ring waits on the host anyway, no edge ipc-stream or kernel (whose calls only
-        queue their steps on the GPU and return; as chosen at set-up, the same on every rank, where
-        current() shows this rank's own fallbacks), on 2 or more ranks."""
-        edges = self._transport(kind).edges if kind != "host" else ()
-        return (
-            kind != "host"
-            and 1 < self.size
-            and nbytes <= self._gpu_small
-            and "ipc-stream" not in edges
-            and "kernel" not in edges
-        )
+        small_bytes whose ring waits on the host anyway, not a ring kernel's (whose calls only queue
+        the kernel and return; as chosen at set-up, the same on every rank), on 2 or more ranks."""
+        return kind != "host" and 1 < self.size and nbytes <= self._gpu_small and not self._transport(kind).kernel
 
     def _device(self, kind: str, stream: Any) -> Any:
         return self._host if kind == "host" else devices.get(kind, stream)
@@ -734,48 +713,32 @@ class Communicator:
         call ``_scratch_done((kind, "partial sums"), device)`` after the call's last use."""
         return self._scratch_array((kind, "partial sums"), device, count, np.dtype(np.float32))
 
-    def _gather_plan(self, ctx: Context, kind: str, count: int) -> GatherFold:
-        """The cached small all-reduce (engine.GatherFold) of ``count`` elements of ctx's dtype.
+    def _gather_plan(self, ctx: Context, count: int) -> GatherFold:
+        """The cached small all-reduce of host arrays (engine.GatherFold) of ``count`` elements of
+        ctx's dtype.
 
-        On the host the blocks meet in the shared-memory window when every rank is on this node
-        and they fit (transports.shm.SharedBlocks), else in one persistent MPI_Allgather
-        (transports.mpi.GatheredBlocks, on a communicator of its own); on GPUs with ipc-stream the
-        gather is the ring's all-gather schedule as a Plan, into a Reused buffer (the other GPU
-        transports go through the host: collectives._through_host).
+        The blocks meet in the shared-memory window when every rank is on this node and they fit
+        (transports.shm.SharedBlocks), else in one persistent MPI_Allgather
+        (transports.mpi.GatheredBlocks, on a communicator of its own). (Small GPU all-reduces go
+        through the host, collectives._through_host, or run in a ring kernel.)
         """
-        key = (kind, count, ctx.dtype)
+        key = ("host", count, ctx.dtype)
         small = self._gathers.get(key)
         if small is None:
             if len(self._gathers) >= GATHER_LIMIT:
                 self._free_gathers()
             n, ring = self.size, self.ring
-            reused, made = None, GatherFold
             shared = self._shared
-            if kind == "host" and shared is not None:  # (within its slots: collectives.all_reduce)
+            if shared is not None:  # (within its slots: collectives.all_reduce)
                 gather = SharedBlocks(self, shared, ctx.dtype, count)
                 sides = [(mine, [blocks[rank] for rank in ring]) for mine, blocks in zip(gather.mine, gather.blocks)]
                 algorithm, made = "gather-fold (shared memory)", SharedGatherFold
-            elif kind == "host":
+            else:
                 gather = GatheredBlocks(self, self._gather_mpi, ctx.dtype, count)
                 sides = [(gather.mine, [gather.blocks[rank] for rank in ring])]
-                algorithm = "gather-fold (MPI_Allgather_init)"
-            else:
-                reused = devices.Reused()
-                blocks = reused.take(ctx.device, n * count * ctx.dtype.itemsize).view(ctx.dtype)
-                gather = Plan(
-                    ctx,
-                    schedule.all_gather(n, self.position),
-                    schedule.blocks(count, n),
-                    blocks,
-                    blocks,
-                    self._transport(kind),
-                    own=True,
-                )
-                by_place = [blocks[p * count : (p + 1) * count] for p in range(n)]
-                sides = [(by_place[self.position], by_place)]
-                algorithm = "gather-fold"
+                algorithm, made = "gather-fold (MPI_Allgather_init)", GatherFold
             small = made(
-                gather, sides, self._in_ring(schedule.partition(count, n)), n, reused, algorithm, self._transport(kind)
+                gather, sides, self._in_ring(schedule.partition(count, n)), n, algorithm, self._transport("host")
             )
             self._gathers[key] = small
         return small

@@ -28,7 +28,7 @@ class Context:
     and the call's identity: its root and number (set by the Communicator when the call starts)
     and the base MPI tag of its messages (:meth:`identity`; None for set-up waits)."""
 
-    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc", "wide", "sends")
+    __slots__ = ("collective", "comm", "device", "dtype", "op", "root", "call", "tag", "expect", "acc", "wide")
 
     def __init__(self, collective: str, comm: Any, device: Any, dtype: np.dtype, op: ReduceOp | None) -> None:
         self.collective = collective
@@ -45,8 +45,6 @@ class Context:
         #: partial sums of the reduce-scatter phase live and travel (None otherwise)
         self.acc: Any = None
         self.wide = False  # accumulate="float32" on a half type (part of the call's identity)
-        #: (steps, where each step's data comes from: engine.bind), set by execute() before the halves begin
-        self.sends: tuple = ((), ())
 
     def identity(self) -> int:
         """The base MPI tag of this call's messages (ringcomm.tags), made on first use."""
@@ -129,8 +127,6 @@ def execute(
     (``link.send``, the edge to the right); ringcomm.transports. ``bounds``: the chunks by ring
     place. ``result_chunks``: chunks that must end in ``work``; any of them that no step wrote is
     copied from ``src`` (the rank's own chunk of an all-gather, or everything when N == 1).
-    Before the halves begin, ``ctx.sends`` is ``(steps, bind(...)[0])``: which buffer each step sends
-    from, so that a transport can tell its peer where every chunk will lie (ipc-stream does).
 
     With ``ctx.acc`` (accumulate="float32" on a half type) a chunk that is not final travels in
     float32: this rank's own data is widened into ``acc`` when first sent, a reduce step that is
@@ -142,7 +138,6 @@ def execute(
     receiver, sender = link.recv, link.send
     n = ctx.comm.size
     bound, written = bind(steps, len(bounds), work is src, acc is not None)
-    ctx.sends = (steps, bound)
     bufs = (src, work, acc)
     private = receiver.private  # its incoming pieces are its own scratch (the device may overwrite them)
     sent = 0
@@ -270,11 +265,8 @@ class Plan(_Prepared):
         src: Any,
         link: Any,
         result_chunks: Iterable[int] = (),
-        own: bool = False,
     ) -> None:
         self.steps, self.bounds, self.link, self.result_chunks = steps, bounds, link, tuple(result_chunks)
-        #: ``own``: work and src are the plan's own buffers, which run() uses when given none
-        self._own = (work, src) if own else None
         bound, written = bind(steps, len(bounds), work is src, False)
         self._bound = bound
         itemsize = ctx.dtype.itemsize
@@ -296,11 +288,9 @@ class Plan(_Prepared):
         self._preparable = True  # until the link cannot prepare a step
         super().__init__()
 
-    def run(self, ctx: Context, work: Any = None, src: Any = None) -> int:
+    def run(self, ctx: Context, work: Any, src: Any) -> int:
         """Run the steps on this call's ``work`` and ``src`` (at the addresses the plan was made
-        for; by default its own); return the payload bytes this rank sent."""
-        if work is None:
-            work, src = self._own
+        for); return the payload bytes this rank sent."""
         prepared = self._get(ctx) if self._preparable else None
         if prepared is None:
             prepared = self._make(ctx, work, src) if self._preparable else None
@@ -594,13 +584,11 @@ class GatherFold:
     data movement and one wait instead of 2(N-1) dependent steps.
 
     ``gather``: what moves the blocks, ``gather.run(ctx)`` -> the bytes a ring would send:
-    transports.mpi.GatheredBlocks (host: a persistent MPI_Allgather) or a :class:`Plan` of the
-    ring's all-gather schedule (GPUs); :class:`SharedGatherFold` for the host's shared-memory
-    window (transports.shm.SharedBlocks, which the caller publishes: ``publication(ctx)()``).
-    ``sides``: per slot of the gather (one here), ``(mine, blocks by ring place)``: where
-    this rank copies its buffer, and where the N blocks then lie. ``reused``: the GPU gather's
-    buffer (devices.Reused; None on the host), ordered after its last use. ``algorithm`` and
-    ``link`` (the kind's transports.Link): what the DEBUG log names.
+    transports.mpi.GatheredBlocks (a persistent MPI_Allgather of host arrays); :class:`SharedGatherFold`
+    for the host's shared-memory window (transports.shm.SharedBlocks, which the caller publishes:
+    ``publication(ctx)()``). ``sides``: per slot of the gather (one here), ``(mine, blocks by ring
+    place)``: where this rank copies its buffer, and where the N blocks then lie. ``algorithm``
+    and ``link`` (the host's transports.Link): what the DEBUG log names.
     """
 
     def __init__(
@@ -609,11 +597,10 @@ class GatherFold:
         sides: Sequence[tuple[Any, Sequence[Any]]],
         bounds: Bounds,
         n: int,
-        reused: Any,
         algorithm: str,
         link: Any,
     ) -> None:
-        self.gather, self.reused, self.algorithm, self.link = gather, reused, algorithm, link
+        self.gather, self.algorithm, self.link = gather, algorithm, link
         self._sides = [(mine, Fold(by_place, bounds, n)) for mine, by_place in sides]
         self._n = n
         #: all_reduce's fast lane on the host (collectives._small_host): by op, ``(ctx, run)``
@@ -634,15 +621,10 @@ class GatherFold:
 
     def run(self, ctx: Context, work: Any, src: Any, acc: Any = None) -> int:
         """All-reduce ``src`` into ``work`` (``acc``: as for :meth:`Fold.accumulate`); the bytes a ring would send."""
-        gather, device, reused = self.gather, ctx.device, self.reused
         mine, fold = self._sides[0]
-        if reused is not None:  # GPUs: after the previous call's use of the buffer (maybe on another stream)
-            reused.after(device)
-        device.copy(mine, src)
-        sent = gather.run(ctx)
+        ctx.device.copy(mine, src)
+        sent = self.gather.run(ctx)
         self._fold(ctx, fold, work, acc)
-        if reused is not None:
-            reused.done(device)
         return sent
 
     def _fold(self, ctx: Context, fold: Fold, work: Any, acc: Any) -> None:
@@ -653,8 +635,6 @@ class GatherFold:
 
     def free(self) -> None:
         self.gather.free()
-        if self.reused is not None:
-            self.reused.free()
 
 
 class SharedGatherFold(GatherFold):

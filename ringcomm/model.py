@@ -34,7 +34,7 @@ CLI (``python -m ringcomm.model``; tables in markdown, bandwidths in GB/s = 1e9 
 - ``h200``: 1x8, 2x8 and 16x8 H200 (NVLink 4 within a node, 400 Gb/s per GPU between nodes): ringcomm's one
   ring, the same model with 8 rings (NCCL's scheme), and NCCL's published all-reduce busbw (:data:`PUBLISHED`);
 - ``sources``: the published figures and their sources, as markdown for the README;
-- ``one-gpu``: ipc, ipc-stream and NCCL on one H200 shared by 2 and 4 ranks (per-step costs:
+- ``one-gpu``: ipc and NCCL on one H200 shared by 2 and 4 ranks (per-step costs:
   :data:`ONE_GPU_OVERHEAD`).
 """
 
@@ -444,13 +444,13 @@ def h200_topology(nodes: int, overhead: float, channels: int = 1) -> Topology:
 # ------------------------------------------------------------------------------------------------ CLI
 
 #: one H200 shared by the ranks (tests on one GPU): seconds of overhead per ring step, by transport.
-#: ipc and ipc-stream: measured on an H200 under MPS (benchmarks/gpu_check.sh, 2026-12-04: all_reduce
-#: at N = 2 takes 300-330 us (ipc) and 210-255 us (ipc-stream) per call from 1 to 16 MiB, two ring
-#: steps whose bytes take a few us: the host's Python, kernel launches and, for ipc, the handshake's
-#: host waits; 30 and 10 us were assumed before). NCCL: one kernel per call, steps synchronised on the
+#: ipc: measured on an H200 under MPS (benchmarks/gpu_check.sh, 2026-12-04: all_reduce at N = 2 takes
+#: 300-330 us per call from 1 to 16 MiB, two ring steps whose bytes take a few us: the host's Python,
+#: kernel launches and the handshake's host waits; 30 us was assumed before; the removed ipc-stream
+#: transport, its handshake on the GPU's streams, took 210-255 us). NCCL: one kernel per call, steps synchronised on the
 #: GPU (about 1 us), kernels concurrent only under MPS (NCCL's kernels spin: time-sliced without MPS,
 #: NCCL's numbers are not these); still an assumption (NCCL 2.28 refuses ranks sharing a GPU).
-ONE_GPU_OVERHEAD = {"ipc": 150e-6, "ipc-stream": 110e-6, "nccl": 1e-6}
+ONE_GPU_OVERHEAD = {"ipc": 150e-6, "nccl": 1e-6}
 
 
 def one_gpu_topology(ranks: int, transport: str, hbm: float = H200_MEM_BW) -> Topology:
@@ -663,7 +663,7 @@ def _cmd_one_gpu(args: argparse.Namespace) -> str:
         f"{args.collective} busbw (GB/s) predicted on one H200 (HBM {H200_MEM_BW / 1e12:g} TB/s) shared by the "
         "ranks; per-step overheads "
         + ", ".join(f"{t} {ONE_GPU_OVERHEAD[t] * 1e6:g} us" for t in names)
-        + " (ringcomm.model.ONE_GPU_OVERHEAD: ipc's and ipc-stream's measured on an H200 under MPS, NCCL's assumed)",
+        + " (ringcomm.model.ONE_GPU_OVERHEAD: ipc's measured on an H200 under MPS, NCCL's assumed)",
         "",
     ]
     return "\n".join(head) + _table(["size"] + [f"N={n} {t}" for n in ranks for t in names], rows)
@@ -722,7 +722,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--overhead", type=float, default=5e-6, help="ringcomm's seconds per step on a GPU")
     h.add_argument("--channels", type=int, default=8, help="rings of NCCL's scheme (one per NIC)")
     sub.add_parser("sources", help="the published NCCL figures and their sources, as markdown")
-    g = sub.add_parser("one-gpu", help="ipc, ipc-stream and NCCL on one H200 shared by the ranks")
+    g = sub.add_parser("one-gpu", help="ipc and NCCL on one H200 shared by the ranks")
     g.add_argument("--collective", "-c", default="all_reduce", choices=COLLECTIVES)
     g.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     g.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M,1G")

@@ -63,12 +63,6 @@ def partition(count: int, parts: int, align: int = ALIGN) -> Bounds:
     return tuple(bounds)
 
 
-@functools.lru_cache(maxsize=256)
-def blocks(count: int, parts: int) -> Bounds:
-    """``parts`` consecutive ranges of ``count`` elements each (a buffer of parts whole copies)."""
-    return tuple((i * count, (i + 1) * count) for i in range(parts))
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step of one rank.

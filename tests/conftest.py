@@ -48,7 +48,7 @@ def deadline_barrier(mpi: MPI.Intracomm, timeout: float = TEST_TIMEOUT) -> None:
 
 def default_gpu_transport() -> str:
     """The transport GPU edges inside a node get in this run: RINGCOMM_TRANSPORT when the run sets
-    one (tests/test_cuda_emulated.py runs the GPU tests that communicate once with ipc-stream), else ipc."""
+    one, else ipc."""
     return os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or "ipc"
 
 

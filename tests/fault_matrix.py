@@ -82,7 +82,7 @@ def _cases(xp, r: int, n: int) -> dict:
 
 def settle(comm, xp) -> None:
     """What a GPU user does after calls that return before their work is done (RINGCOMM_TRANSPORT=
-    ipc-stream or kernel): wait for the stream, then ask for the errors the GPU recorded."""
+    kernel): wait for the stream, then ask for the errors the GPU recorded."""
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
         comm.check_errors()

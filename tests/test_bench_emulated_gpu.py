@@ -571,6 +571,8 @@ def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(g
         head = _header(out)
         assert any(h.endswith(f"transport {transport}") for h in head), head
         assert line in head, head
+        algorithm = {"kernel": "every collective one kernel launch", "ipc": "every collective up to"}[transport]
+        assert any(h.startswith(f"# Algorithm: {algorithm}") for h in head), head
         (table,) = parse_tables(out)
         assert table.status == "OK" and table.wrong == 0
 

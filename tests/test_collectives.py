@@ -208,23 +208,23 @@ def test_many_small_all_reduces_with_many_slices():
 def test_gpu_calls_route_on_what_every_rank_agrees():
     """Whether a small GPU call goes through the host (Communicator._via_host) must be the same on
     every rank, or some would wait for the ring's messages: it follows the smallest small_bytes of
-    any rank (0 on any: never), and the edges as chosen at set-up, not this rank's view after an
-    IPC fallback of its own edges (Link.current). The host keeps each rank's own small_bytes (its
-    window sorts differing ones out)."""
+    any rank (0 on any: never), and whether the ring runs as kernels (Link.kernel, agreed at set-up;
+    never through the host). The host keeps each rank's own small_bytes (its window sorts differing
+    ones out)."""
     from types import SimpleNamespace
 
     r = MPI.COMM_WORLD.rank
     comm = make_comm(small_bytes=4096 if r == 0 else 65536)
     assert comm._small("host") == comm.small_bytes and comm._small("cuda") == 4096
-    fell_back = SimpleNamespace(edges=("ipc-stream", "staged"), current=lambda: ("staged", "staged"))
-    comm._transports["cuda"] = fell_back  # (a stand-in Link: no GPU here)
-    assert not comm._via_host("cuda", 8)  # an ipc-stream edge as chosen: on the GPU, whatever this rank's view
-    fell_back.edges = ("ipc", "staged")
+    link = SimpleNamespace(kernel=True)  # (a stand-in Link: no GPU here)
+    comm._transports["cuda"] = link
+    assert not comm._via_host("cuda", 8)  # a ring kernel's call: on the GPU
+    link.kernel = False
     assert comm._via_host("cuda", 4096) and not comm._via_host("cuda", 4097) and not comm._via_host("host", 8)
     comm._transports.clear()
     comm.close()
     never = make_comm(small_bytes=0 if r == 1 else 65536)
-    never._transports["cuda"] = fell_back
+    never._transports["cuda"] = link
     assert not never._via_host("cuda", 0)  # not even an empty buffer
     never._transports.clear()
     never.close()

@@ -3,9 +3,10 @@
 
 The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IPC-style sharing
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
-something waits for it; so the CUDA device, the IPC and staged transports, their handshakes and
-the GPU tests themselves run end to end at N = 1, 2, 3 (4 in the mixed-ring tests; the ring kernel's
-N = 5 test runs by hand). Skipped without a C++ compiler or mpiexec.
+something waits for it (a ring kernel runs eagerly, its blocks at once); so the CUDA device, the
+IPC and staged transports, their handshakes, the ring kernel and the GPU tests themselves run end to
+end at N = 1, 2, 3 (4 in the mixed-ring tests; the ring kernel's N = 5 test runs by hand). Skipped
+without a C++ compiler or mpiexec.
 Where a real CuPy is installed, the GPU tests run on the GPU instead and this test is skipped.
 """
 
@@ -17,7 +18,7 @@ import pytest
 from conftest import run_emulated
 
 
-@pytest.mark.parametrize("variant", ["pool-exported", "scratch", "two-gpus-per-node", "ipc-stream"])
+@pytest.mark.parametrize("variant", ["pool-exported", "scratch", "two-gpus-per-node"])
 def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     env = dict(emulated_gpu_env)
     tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
@@ -32,23 +33,11 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
-        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,ipc-stream"  # (those that export user buffers)
+        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc"  # (the one that exports user buffers)
         tests = ["tests/gpu/test_cuda_collectives.py", "-k", "every_op_and_dtype or back_to_back"]
-    if variant == "ipc-stream":  # every GPU test that communicates, with the step handshake on the streams
-        env["RINGCOMM_TRANSPORT"] = "ipc-stream"  # (the kernels' tests open no communicator: run once)
-        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc-stream"  # (the loops over transports ran in pool-exported)
-        env["RINGCOMM_EMULATED_WORK_QUEUES"] = "2"  # few work queues, as under MPS: streams share them
-        # (but the watchdog's release, which then sits behind the caller's stream: a known limit, README's
-        # GPUs; that test runs in the other variants, with CUDA's 8 work queues)
-        # (N >= 3 only in pool-exported, whose loops run ipc-stream too: N = 4 here took 84 of 107 s;
-        # and the kernel executor's graph test, which pool-exported runs)
-        # (and the kernel ring's own tests, which pick it themselves: pool-exported runs them)
-        tests = ["tests/gpu", "--ignore=tests/gpu/test_cuda_kernels.py"]
-        tests += ["-k", "not watchdog and not graph and not kernel_ring and not kernel_lane"]
-        tests += ["-m", "not parallel[3] and not parallel[4] and not parallel[5]"]
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
-        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,ipc-stream,kernel"  # (those of IPC edges: across the GPUs here)
+        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,kernel"  # (those of IPC edges: across the GPUs here)
         tests = [
             "tests/gpu/test_cuda_topology.py",
             "tests/gpu/test_cuda_collectives.py",

@@ -279,6 +279,25 @@ def test_memcpy_across_devices_is_allowed(emu):
     assert (near.get() == np.arange(64)).all()
 
 
+def test_queued_kernels_run_only_when_waited_for_and_a_stalled_stream_hangs_a_host_wait(emu, harness):
+    """Streams are lazy: a queued kernel is not run (nor counted) until something waits for it; a
+    stream that never completes (a hung kernel: ``_stall``) keeps a host wait from returning."""
+    k = _copy_kernel(emu)
+    a, b = emu.zeros(256, np.float32), emu.arange(256, dtype=np.float32)
+    emu.cuda.Stream.null.synchronize()
+    s = emu.cuda.Stream()
+    for _ in range(3):
+        k((1,), (512,), (a.data.ptr, b.data.ptr, a.nbytes), stream=s)
+    assert emu._emulated_kernels_run() == 0 and (a._np() == 0).all()  # queued, not run
+    s.synchronize()
+    assert emu._emulated_kernels_run() == 3 and (a._np() == np.arange(256)).all()
+    emu._stall(s)
+    t = threading.Thread(target=s.synchronize, daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()
+
+
 # -------------------------------------------------------------------------------- IPC, two processes
 EXPORTER = """
 import sys

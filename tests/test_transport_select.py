@@ -65,7 +65,7 @@ def test_peer_record_words_round_trip_and_bus_ids():
     r = rec(node=3, gpu=transports.bus_id("0000:1b:00.0"), peers={5, 7}, aware=True, forced="ipc")
     assert transports.PeerRecord.from_words(r.words()) == r
     assert transports.PeerRecord.from_words(rec().words()) == rec()
-    k = transports.PeerRecord(1, 2, frozenset({3}), False, "kernel", False, 132, True)
+    k = transports.PeerRecord(1, 2, frozenset({3}), False, "kernel", 132, True)
     assert transports.PeerRecord.from_words(k.words()) == k
     assert transports.bus_id("0000:00:00.0") == 0
     assert transports.bus_id("0001:0a:1f.3") == (1 << 24) | (0x0A << 16) | (0x1F << 8) | 3
@@ -76,6 +76,9 @@ def test_environment_override_names(monkeypatch):
     assert transports.override() == ""
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "Staged")
     assert transports.override() == "staged"
+    monkeypatch.setenv("RINGCOMM_TRANSPORT", "ipc-stream")  # (removed: the ring kernel replaced it)
+    with pytest.warns(FutureWarning, match="ipc-stream was removed; it now selects 'kernel'"):
+        assert transports.override() == "kernel"
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "nccl")
     with pytest.raises(ValueError, match="RINGCOMM_TRANSPORT"):
         transports.override()
@@ -106,7 +109,7 @@ def test_kernel_fit_needs_mps_to_share_a_gpu_and_an_sm_per_block():
     from ringcomm.executor import CHANNELS, kernel_fit
 
     def k(node=0, gpu=0, sms=132, mps=True):
-        return transports.PeerRecord(node, gpu, frozenset(), False, "kernel", False, sms, mps)
+        return transports.PeerRecord(node, gpu, frozenset(), False, "kernel", sms, mps)
 
     assert kernel_fit([k(gpu=1), k(gpu=2)]) == (CHANNELS, "")  # a GPU each
     assert kernel_fit([k(), k()]) == (CHANNELS, "")  # one H100 under MPS

@@ -545,6 +545,8 @@ def _header(
             f"reduce (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests; "
             f"{'' if pieces else 'all_reduce and '}reduce_scatter of 3+ ranks: direct)"
         )
+    elif link is not None and link.kernel:
+        algorithm = "every collective one kernel launch: the ring, or a one-shot all_reduce (# Ring kernel)"
     else:
         fold = "then a local fold in the ring's order: bitwise the ring's result"
         limit = max(comm._small(device), 0)
@@ -558,8 +560,6 @@ def _header(
                 f"all_reduce: gather-fold, {fold}; copied back)"
             )
             above = "above"
-        else:
-            small += f": gather-fold (N-1 ring steps of whole buffers, {fold})"
         algorithm = (
             f"{small}; {above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests)"
         )

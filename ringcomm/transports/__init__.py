@@ -45,17 +45,28 @@ from .mpi import Exchange, MpiRecv, MpiSend, PreparedStep
 
 log = logging.getLogger("ringcomm")
 
-#: the names RINGCOMM_TRANSPORT accepts ("ipc-stream": IPC with the step handshake on the GPU's
-#: streams; "kernel": a ring of IPC edges runs each collective as one kernel, ringcomm.executor;
-#: both chosen only when asked for, until they have run on a GPU)
-NAMES = ("mpi", "ipc", "staged", "ipc-stream", "kernel")
+#: the names RINGCOMM_TRANSPORT accepts ("kernel": a ring of IPC edges runs each collective as one
+#: kernel, ringcomm.executor; chosen only when asked for, until it has run on a GPU)
+NAMES = ("mpi", "ipc", "staged", "kernel")
+#: names RINGCOMM_TRANSPORT still accepts for the transport that replaced theirs: "ipc-stream" (IPC
+#: with the step handshake on the GPU's streams, removed: the ring kernel keeps the handshake on the GPU)
+RENAMED = {"ipc-stream": "kernel"}
 #: peer GPUs a record can list (the GPUs of one node that this rank's GPU can access)
 MAX_PEERS = 16
 
 
 def override() -> str:
-    """The transport named by RINGCOMM_TRANSPORT ("" when unset); ValueError for an unknown name."""
+    """The transport named by RINGCOMM_TRANSPORT ("" when unset; a :data:`RENAMED` name as its
+    replacement's, with a FutureWarning); ValueError for an unknown name."""
     name = os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower()
+    if name in RENAMED:
+        new = RENAMED[name]
+        warnings.warn(
+            f"RINGCOMM_TRANSPORT={name} was removed; it now selects {new!r}, which replaced it",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return new
     if name and name not in NAMES:
         raise ValueError(f"RINGCOMM_TRANSPORT={name!r} is not a transport; accepted: {', '.join(NAMES)}")
     return name
@@ -67,10 +78,9 @@ class PeerRecord:
 
     ``node``: its node's index; ``gpu``: its GPU's PCI bus id as an integer (:func:`bus_id`);
     ``peers``: the bus ids of the GPUs its GPU can access (cudaDeviceCanAccessPeer); ``aware``:
-    its MPI takes device buffers; ``forced``: its RINGCOMM_TRANSPORT ("" when unset); ``streamops``:
-    its GPU runs CUDA stream memory operations (probed only when ipc-stream is asked for); ``sms``
-    and ``mps``: its GPU's multiprocessors and whether its contexts are shared through MPS
-    (cudaDevAttrMpsEnabled; read only when kernel is asked for: :func:`kernel_fit`).
+    its MPI takes device buffers; ``forced``: its RINGCOMM_TRANSPORT ("" when unset); ``sms`` and
+    ``mps``: its GPU's multiprocessors and whether its contexts are shared through MPS
+    (cudaDevAttrMpsEnabled; read only when kernel is asked for: executor.kernel_fit).
     """
 
     node: int
@@ -78,23 +88,22 @@ class PeerRecord:
     peers: frozenset[int]
     aware: bool
     forced: str
-    streamops: bool = False
     sms: int = 0
     mps: bool = False
 
     def words(self) -> np.ndarray:
         peers = sorted(self.peers)[:MAX_PEERS]
-        out = np.zeros(8 + MAX_PEERS, np.int64)
+        out = np.zeros(7 + MAX_PEERS, np.int64)
         forced = (NAMES.index(self.forced) + 1) if self.forced else 0
-        out[:8] = self.node, self.gpu, self.aware, forced, self.streamops, self.sms, self.mps, len(peers)
-        out[8 : 8 + len(peers)] = peers
+        out[:7] = self.node, self.gpu, self.aware, forced, self.sms, self.mps, len(peers)
+        out[7 : 7 + len(peers)] = peers
         return out
 
     @classmethod
     def from_words(cls, w: Sequence[int]) -> PeerRecord:
         w = [int(v) for v in w]
         forced = NAMES[w[3] - 1] if w[3] else ""
-        return cls(w[0], w[1], frozenset(w[8 : 8 + w[7]]), bool(w[2]), forced, bool(w[4]), w[5], bool(w[6]))
+        return cls(w[0], w[1], frozenset(w[7 : 7 + w[6]]), bool(w[2]), forced, w[4], bool(w[5]))
 
 
 def bus_id(pci: str) -> int:
@@ -111,9 +120,8 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
     shared, or peer access from the receiver's GPU to the sender's); else CUDA-aware MPI when both
     ends' MPI takes device buffers; else staging through host memory. ``forced`` (RINGCOMM_TRANSPORT)
     takes that transport on every edge it can serve: "staged" on all, "ipc" where IPC can, "mpi"
-    on all (ValueError where an end's MPI is not CUDA-aware), "ipc-stream" where IPC can and both
-    ends' GPUs run stream memory operations (else "ipc" there; the ranks warn), "kernel" where IPC
-    can (its halves are ipc's, for the calls the executor does not run).
+    on all (ValueError where an end's MPI is not CUDA-aware), "kernel" where IPC can (its halves
+    are ipc's, for the calls the executor does not run).
     """
     ipc = sender.node == receiver.node and (sender.gpu == receiver.gpu or sender.gpu in receiver.peers)
     aware = sender.aware and receiver.aware
@@ -124,8 +132,6 @@ def edge_kind(sender: PeerRecord, receiver: PeerRecord, forced: str) -> str:
         )
     if forced in ("mpi", "staged"):
         return forced
-    if ipc and forced == "ipc-stream" and sender.streamops and receiver.streamops:
-        return "ipc-stream"
     if ipc and forced == "kernel":
         return "kernel"
     return "ipc" if ipc else "mpi" if aware else "staged"
@@ -244,10 +250,6 @@ def _halves(comm: Any, name: str) -> tuple[type, type, tuple]:
         from .staged import StagedRecv, StagedSend
 
         return StagedRecv, StagedSend, ()
-    if name == "ipc-stream":
-        from .ipc_stream import IpcStreamRecv, IpcStreamSend
-
-        return IpcStreamRecv, IpcStreamSend, ()
     return MpiRecv, MpiSend, (comm.slice_bytes,)
 
 
@@ -275,13 +277,6 @@ def select(comm: Any, kind: str) -> Link:
         from ..executor import all_reach, kernel_fit
 
         (channels, why), mesh = kernel_fit(records), all_reach(records)
-    if name == "ipc-stream" and "ipc" in edges:
-        msg = (
-            f"ringcomm: RINGCOMM_TRANSPORT=ipc-stream, but a GPU of the ring cannot run CUDA stream memory "
-            f"operations (rank {comm.rank}: {_stream_ops_problem(comm) or 'this one can'}); those IPC edges use ipc"
-        )
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
     recv_cls, _, recv_args = _halves(comm, edges[p])
     _, send_cls, send_args = _halves(comm, edges[(p + 1) % n])
     link = Link(comm, recv_cls(comm, *recv_args), send_cls(comm, *send_args), edges, channels, mesh)
@@ -308,8 +303,8 @@ def _setup_context(comm: Any) -> Any:
 
 def gpu_record(comm: Any, forced: str) -> PeerRecord:
     """This rank's record: its node, its current CuPy device's bus id, the GPUs that device can
-    access (peer access), CUDA-aware MPI, RINGCOMM_TRANSPORT (and what it needs: ipc-stream's
-    stream memory operations, kernel's SMs and MPS)."""
+    access (peer access), CUDA-aware MPI, RINGCOMM_TRANSPORT (and what kernel needs: the GPU's SMs
+    and MPS)."""
     import cupy
 
     from ..devices.cuda import mps_enabled, sm_count
@@ -322,17 +317,6 @@ def gpu_record(comm: Any, forced: str) -> PeerRecord:
         for d in range(rt.getDeviceCount())
         if d != me and rt.deviceCanAccessPeer(me, d)
     )
-    streamops = forced == "ipc-stream" and not _stream_ops_problem(comm)
-    kernel = forced == "kernel"
-    sms, mps = (sm_count(me), mps_enabled(me)) if kernel else (0, False)
+    sms, mps = (sm_count(me), mps_enabled(me)) if forced == "kernel" else (0, False)
     bus = bus_id(cupy.cuda.Device(me).pci_bus_id)
-    return PeerRecord(comm.node_index, bus, peers, cuda_aware_mpi(), forced, streamops, sms, mps)
-
-
-def _stream_ops_problem(comm: Any) -> str:
-    """Why this rank's current GPU cannot run ipc-stream ("" when it can)."""
-    import cupy
-
-    from .ipc_stream import unsupported
-
-    return unsupported(cupy.cuda.runtime.getDevice())
+    return PeerRecord(comm.node_index, bus, peers, cuda_aware_mpi(), forced, sms, mps)

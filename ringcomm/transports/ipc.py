@@ -60,8 +60,8 @@ from .staged import EventPool, StagedRecv, StagedSend, wait_event
 
 log = logging.getLogger("ringcomm")
 
-SRC, WORK, SCRATCH, ACC, FLAGS = 0, 1, 2, 3, 4  # ACC: the float32 partial sums (accumulate="float32");
-SLOTS = (SRC, WORK, SCRATCH, ACC, FLAGS)  # FLAGS: the ipc-stream transport's handshake counters
+SRC, WORK, SCRATCH, ACC = 0, 1, 2, 3  # ACC: the float32 partial sums (accumulate="float32")
+SLOTS = (SRC, WORK, SCRATCH, ACC)
 #: descriptor words per buffer slot: state, offset in allocation, nbytes, allocation size, 8 words of handle
 _DESC = 12
 _UNUSED, _VALID, _FAILED = 0, 1, -1
@@ -214,16 +214,12 @@ class IpcSend(_IpcHalf):
         cap = max(16, 12 * comm.size)
         self._ready_out = np.zeros((cap, 4), np.int64)  # step, slot, byte offset, nbytes
         self._done_in = np.zeros((cap, 1), np.int64)
-        self._desc_out = np.zeros((self._desc_rows(), _DESC), np.int64)
+        self._desc_out = np.zeros((len(SLOTS), _DESC), np.int64)
         self._reply_in = np.zeros(REPLY_WORDS, np.int64)
         self._events = EventPool()
         self._active = False
         self._setup: list = []  # this call's handle message to the right, and the right's reply
         self._clear()
-
-    def _desc_rows(self) -> int:
-        """Rows of the handle message: one per slot (a subclass may send more)."""
-        return len(SLOTS)
 
     def _clear(self) -> None:
         self._seq = 0
@@ -502,14 +498,11 @@ class IpcRecv(_IpcHalf):
         cap = max(16, 12 * comm.size)
         self._ready_in = np.zeros((cap, 4), np.int64)
         self._done_out = np.zeros((cap, 1), np.int64)
-        self._desc_in = np.zeros((self._desc_rows(), _DESC), np.int64)
+        self._desc_in = np.zeros((len(SLOTS), _DESC), np.int64)
         self._reply_out = np.zeros(REPLY_WORDS, np.int64)
         self._events = EventPool()
         self._active = False
         self._clear()
-
-    def _desc_rows(self) -> int:
-        return len(SLOTS)
 
     def _clear(self) -> None:
         self._seq = 0
@@ -538,7 +531,7 @@ class IpcRecv(_IpcHalf):
         mpi, left = self.comm.mpi, self.comm.left
         wait([mpi.Irecv(self._desc_in, left, t_handles)], ctx, None, left, "rank %d's CUDA IPC handles", left)
         problem = ""
-        if (self._desc_in[: len(SLOTS), 0] == _FAILED).any():
+        if (self._desc_in[:, 0] == _FAILED).any():
             problem = f"rank {left} could not export its buffers"
         elif not self._reopened():
             try:

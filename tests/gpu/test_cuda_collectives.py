@@ -1,7 +1,7 @@
 """Every collective, op and dtype on CuPy arrays, N = 1, 2, 4 ranks sharing one GPU (skipped without one;
 N = 1, 2, 3 on the emulated GPU).
 
-Each GPU transport in turn (CUDA IPC, staged, ipc-stream, the one-kernel executor, and CUDA-aware MPI
+Each GPU transport in turn (CUDA IPC, staged, the one-kernel executor, and CUDA-aware MPI
 where the library is), against
 float64 host references (tests/conftest.py), with poisoned outputs, odd counts, views that start at
 element 1 (so IPC exports an offset inside a pool block), bitwise agreement across ranks, and
@@ -53,7 +53,7 @@ def transports() -> list[str]:
     """The GPU transports the tests loop over: every one this machine has, or those of them that
     RINGCOMM_TEST_TRANSPORTS names (comma-separated; tests/test_cuda_emulated.py runs each variant
     of the emulated GPU with the transports it is about). Not kernel where ranks share a GPU without MPS."""
-    names = ["ipc", "staged", "ipc-stream", "kernel"]
+    names = ["ipc", "staged", "kernel"]
     if MPI.COMM_WORLD.size > _ngpu and not mps_enabled(cupy.cuda.runtime.getDevice()):
         names.remove("kernel")  # ranks sharing a GPU without MPS: the ring stays host-driven (test_kernel_ring_...)
     if staged.cuda_aware_mpi():
@@ -121,7 +121,7 @@ def check_every_op_and_dtype(names: list[str | None], large: bool = True) -> Non
     hostcomm = make_comm(small_bytes=0)
     for transport in names:
         ring = comm_with(transport, small_bytes=0)
-        small = comm_with(transport)  # up to small_bytes: through the host (ipc-stream: all-reduces gather-fold)
+        small = comm_with(transport)  # up to small_bytes: through the host (kernel: in the kernel, one-shot)
         n, r = ring.size, ring.rank
         for dtype in DTYPES:
             for op in ops_for(dtype):
@@ -511,17 +511,16 @@ def test_float32_accumulation_is_bitwise_the_hosts():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-@pytest.mark.parametrize("transport", ["ipc", "ipc-stream"])
-def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
+def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch):
     """A call on the arrays of the call before makes no driver query (what it exports lies in
     allocations it still pins) and opens no handle (its left's descriptor is the last one's and
     every mapping of it is still open). Once another communicator's calls have closed those
-    mappings (evicted; for ipc even opened again: the cache holds new ones under the same handles),
+    mappings (evicted, even opened again: the cache holds new ones under the same handles),
     the next call opens every slot afresh, and once the exporters unpinned them (the closed mappings
     reported), it queries the driver again; results stay right throughout (a view of a closed
     mapping would read unmapped memory)."""
     _use_local_gpu()
-    monkeypatch.setattr(ipc, "MAX_MAPPINGS", 2)  # (at least one per slot stays: 5)
+    monkeypatch.setattr(ipc, "MAX_MAPPINGS", 2)  # (at least one per slot stays: 4)
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
     queries, opens = [0], [0]
@@ -537,6 +536,7 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
 
     monkeypatch.setattr(ipc._Driver, "allocation", allocation)
     monkeypatch.setattr(ipc.IpcRecv, "_open", counted_open)
+    transport = "ipc"
     comm, other = comm_with(transport, small_bytes=0), comm_with(transport)  # (comm's 3-element call: the ring's)
     count = 600_000  # each array its own allocation (larger than a pool block)
     x, out = cupy.full(count, r + 1, cupy.float32), cupy.empty(count, cupy.float32)
@@ -555,15 +555,15 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
             other.all_reduce(y)
             assert (host(y) == sum(i + k for k in range(n))).all()
 
-    assert call() == (2, 5)  # the first call exports x and out, and maps every slot
+    assert call() == (2, 4)  # the first call exports x and out, and maps every slot
     assert call() == (0, 0)  # the same arrays: nothing queried nor opened
     push_out()
     other.all_reduce(x, out=out)  # x's and out's handles mapped again, as new mappings, by the other
-    assert call() == (0, 5)  # the last call's descriptor, but not the mappings it was opened from
+    assert call() == (0, 4)  # the last call's descriptor, but not the mappings it was opened from
     assert call() == (0, 0)
     push_out()
     comm.all_reduce(cupy.ones(3, cupy.float32))  # its reply reports the closed mappings: their exporters unpin
-    assert call() == (2, 5)  # exported and mapped anew
+    assert call() == (2, 4)  # exported and mapped anew
     assert call() == (0, 0)
     other.close()
     comm.close()
@@ -572,15 +572,15 @@ def test_ipc_set_up_is_reused_only_while_it_holds(monkeypatch, transport):
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_small_collectives_go_through_the_host_in_stream_order(caplog):
     """Up to small_bytes, on transports that wait on the host (ipc, staged), every GPU collective
-    goes through pinned host memory and the host's collective (the DEBUG log says so); with
-    ipc-stream they stay on the GPU. Calls alternating between two streams, none waited for: each
+    goes through pinned host memory and the host's collective (the DEBUG log says so); as ring
+    kernels they stay on the GPU. Calls alternating between two streams, none waited for: each
     call's copy into the reused stage waits on the GPU for the last call's copy out of it (on the
     emulated GPU that copy is still queued, lazily, when the next call starts), so all are right."""
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
     base = np.arange(1000, dtype=np.float32)
-    for transport in ("ipc", "staged", "ipc-stream"):
+    for transport in [t for t in transports() if t != "mpi"]:
         comm = comm_with(transport)
         lo, hi = comm.shard_bounds(base.size)[r]
         a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
@@ -614,7 +614,7 @@ def test_small_collectives_go_through_the_host_in_stream_order(caplog):
         via = [rec.getMessage().split(":")[0] for rec in caplog.records if "through the host" in rec.getMessage()]
         want = (
             []
-            if transport == "ipc-stream"
+            if transport == "kernel"
             else ["all_reduce", "all_reduce", "reduce_scatter", "broadcast", "all_gather", "reduce"]
         )
         assert via == want, (transport, via)

@@ -15,31 +15,28 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   pointer checked to lie in emulated device memory and every vector access checked for alignment.
   The ring executor's kernel (csrc/ring.cu), whose blocks wait on each other and on other
   processes, runs as a GPU runs it: it starts when its stream reaches it, whether or not the host
-  waits (the progress thread runs it, as it runs stream memory operations), with every block on an
-  OS thread of its own, all at once (co-resident, as under MPS); the stream's later work runs once
-  every block has returned. Its error record must lie in pinned host memory.
+  waits, with every block on an OS thread of its own, all at once (co-resident, as under MPS); the
+  stream's later work runs once every block has returned. Its error record must lie in pinned host
+  memory. As on a GPU, such streams progress without the host: a stream whose queue holds a ring
+  kernel is run by a daemon thread of the process (the progress thread) up to and including its
+  last ring kernel, together with everything it waits for (other streams' events, the legacy null
+  stream); work after it, and streams without one, stay lazy. Host waits (Stream/Event/device
+  synchronize, a copy to the host on the current stream) on a stream whose ring kernel runs poll
+  until its blocks have returned; queries (``done``) never block. Queued work runs under one
+  process-wide lock. ``_emulated_kernels_run()``: how many kernel launches this process has
+  executed (not queued).
 - streams and events are lazy: queued work runs only when something waits for it (an event
   query or synchronize, a stream waiting on an event, or a copy to the host), never earlier. A
   missing wait in a transport then reads stale data, as it might on a GPU.
   RINGCOMM_EMULATED_JITTER=<ms> also delays some queued work at random, so ranks drift apart.
-- stream memory operations (cuStreamWaitValue32/64, cuStreamWriteValue32/64 in
-  tests/emulated/cuda/bindings/driver.py): a value wait holds its stream until the value in memory
-  (of any process: the memory is shared) satisfies the condition; a value write stores the value
-  when its stream reaches it. As on a GPU, such streams progress without the host: a stream whose
-  queue holds a memory operation is run by a daemon thread of the process up to and including its
-  last memory operation, together with everything it waits for (other streams' events, the legacy
-  null stream); work after its last memory operation, and streams without any, stay lazy. Host
-  waits (Stream/Event/device synchronize, a copy to the host on the current stream) on a stream
-  held by an unsatisfied value wait poll until some process writes the value (forever if none
-  does); queries (``done``) never block. Queued work runs under one process-wide lock.
-  ``_emulated_kernels_run()``: how many kernel launches this process has executed (not queued).
 - hardware work queues: as a GPU, a process's streams are aliased onto k work queues, round robin
   in the order they are made (the null stream keeps its own): work queued on a stream also runs
-  after everything queued before it on the other streams of its work queue, so a value write queued
-  behind a value wait on the same work queue never runs while that wait holds. k is
+  after everything queued before it on the other streams of its work queue, so work queued behind a
+  ring kernel on the same work queue never runs while that kernel's blocks spin. k is
   CUDA_DEVICE_MAX_CONNECTIONS (CUDA's default 8); RINGCOMM_EMULATED_WORK_QUEUES=<k> overrides it
   (under MPS the clients share one pool of work queues, so each gets fewer: an H200 under MPS hung
-  on a write queued 4 streams after the wait it was to release, and did not without MPS).
+  on a stream memory write queued 4 streams after the stream wait it was to release, and did not
+  without MPS).
 - CUDA graphs: ``Stream.begin_capture()`` / ``end_capture()`` / ``is_capturing()`` and
   ``Graph.launch(stream)``: kernels queued while a stream captures become the graph's nodes, and a
   launch queues them again (a ring kernel as a new run of its blocks). Anything else queued on a
@@ -101,16 +98,15 @@ _BLOCK = 2 << 20
 _ALIGN = 512
 _ids = itertools.count(3)  # stream handles: 1 and 2 are CUDA's cudaStreamLegacy and cudaStreamPerThread
 #: the process-wide lock of everything queued: queue manipulation and execution hold it (an op runs
-#: under it); a host wait or the progress thread releases it while a value wait is unsatisfied
+#: under it); a host wait or the progress thread releases it while a ring kernel's blocks run
 _lock = threading.RLock()
-_progress = threading.Condition(_lock)  # wakes the progress thread (a memory operation was queued)
-_POLL = 0.00002  # seconds between two looks at an unsatisfied value wait (a GPU looks all the time)
+_progress = threading.Condition(_lock)  # wakes the progress thread (a ring kernel was queued)
+_POLL = 0.00002  # seconds between two looks at a running ring kernel (a GPU's stream goes on at once)
 _WORK_QUEUES = max(
     1, int(os.environ.get("RINGCOMM_EMULATED_WORK_QUEUES") or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8)
 )
 _work_queue_ids = itertools.count()
 _kernels_run = 0  # kernel launches executed (not queued) by this process
-_driver_initialized = False  # cuInit done (by the runtime on a thread's first context, or cuInit)
 
 
 # --------------------------------------------------------------------------------- devices, errors
@@ -237,9 +233,7 @@ def _make_context_current() -> None:
     """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the current
     device's primary context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a
     thread without one fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
-    global _driver_initialized
     _ctx.current = _current_device()
-    _driver_initialized = True
 
 
 def _has_context() -> bool:
@@ -352,23 +346,6 @@ def _device_region(ptr: int, nbytes: int, device: int, what: str) -> _Allocation
             f"{a.device}, and device {device} has no peer access to device {a.device}: an illegal memory "
             "access on a GPU (cudaErrorIllegalAddress)"
         )
-    return a
-
-
-def _memop_memory(ptr: int, nbytes: int, device: int):
-    """The memory a stream memory operation of a stream on ``device`` may use at ``ptr`` (+nbytes):
-    its allocation (one of this process, or an IPC mapping opened in it) when it is memory of
-    ``device`` or of a device that ``device`` enabled peer access to, or a pinned host buffer
-    (mapped for every device with unified addressing); None when it is none of these."""
-    try:
-        a = _region(ptr, nbytes)
-    except RuntimeError:
-        for p in list(_pinned.values()):
-            if p.ptr <= ptr and ptr + nbytes <= p.ptr + len(p):
-                return p
-        return None
-    if a.device != device and (device, a.device) not in _peer_enabled:
-        return None
     return a
 
 
@@ -546,62 +523,14 @@ class _Wait:
         pass  # run (popped) only once the marker was reached: see Stream._advance
 
 
-def _load(addr: int, bits: int) -> int:
-    """An aligned 4- or 8-byte load (what a GPU's stream memory operation reads)."""
-    return (ctypes.c_uint32 if bits == 32 else ctypes.c_uint64).from_address(addr).value
-
-
-class _ValueWait:
-    """cuStreamWaitValue32/64: the stream's later work waits until the condition on the value at
-    ``addr`` holds (written by any process: the memory is shared). The conditions are CUDA's
-    CUstreamWaitValue_flags: GEQ (0) ``(int32_t)(*addr - value) >= 0``, a cyclic comparison (int64_t
-    for 64 bits), EQ (1) ``*addr == value``, AND (2) ``(*addr & value) != 0``, NOR (3)
-    ``~(*addr | value) != 0``. ``keep``: the mapping, held while the wait is queued."""
-
-    memop = True
-
-    def __init__(self, addr: int, value: int, cond: int, bits: int, keep: object) -> None:
-        self.addr, self.value, self.cond, self.bits, self.keep = int(addr), int(value), int(cond), bits, keep
-        self.ran = False
-
-    def satisfied(self) -> bool:
-        mask = (1 << self.bits) - 1
-        cur, v = _load(self.addr, self.bits), self.value
-        if self.cond == 0:
-            return ((cur - v) & mask) < (1 << (self.bits - 1))
-        if self.cond == 1:
-            return cur == v
-        if self.cond == 2:
-            return (cur & v) != 0
-        return (~(cur | v) & mask) != 0
-
-    def __call__(self) -> None:
-        self.ran = True
-
-
-class _ValueWrite:
-    """cuStreamWriteValue32/64: an aligned 4- or 8-byte store of ``value`` when the stream reaches it."""
-
-    memop = True
-
-    def __init__(self, addr: int, value: int, bits: int, keep: object) -> None:
-        self.addr, self.value, self.bits, self.keep = int(addr), int(value), bits, keep
-        self.ran = False
-
-    def __call__(self) -> None:
-        (ctypes.c_uint32 if self.bits == 32 else ctypes.c_uint64).from_address(self.addr).value = self.value
-        self.ran = True
-        _progress.notify_all()  # a wait of this process may hold on it
-
-
 class _Running:
     """A kernel whose blocks wait for each other and for other processes (csrc/ring.cu's ring
     executor). As on a GPU, it starts when its stream reaches it, whether or not the host waits
-    (like a stream memory operation, it is run by the progress thread), every block at once, each
+    (the progress thread runs its stream), every block at once, each
     on a thread of its own (a spinning block never holds up another, as with co-resident blocks);
     the stream's later work runs once every block has returned. ``body(block)`` runs one block."""
 
-    memop = True
+    eager = True  # (the progress thread runs its stream up to it)
 
     def __init__(self, blocks: int, body, done) -> None:
         self.blocks, self.body, self.done = blocks, body, done
@@ -641,8 +570,8 @@ class Stream:
     queued before it on the legacy null stream, and work on the null stream after the work queued
     before it on every blocking stream; ``non_blocking=True`` streams are not ordered with the null
     stream. ``device_id``: the device current when it was made (CuPy's Stream.device_id; -1 for the
-    null stream, which is every device's). A stream with a stream memory operation queued is run
-    by the progress thread up to its last one (``_last_memop``)."""
+    null stream, which is every device's). A stream with a ring kernel queued is run by the
+    progress thread up to its last one (``_last_eager``)."""
 
     _by_ptr: dict[int, Stream] = {}
 
@@ -651,7 +580,7 @@ class Stream:
         self.blocking = not non_blocking and not null
         self.device_id = -1 if null or ptds else _current_device()
         self._queue: collections.deque = collections.deque()
-        self._last_memop = None
+        self._last_eager = None
         self._work_queue = None if null else next(_work_queue_ids) % _WORK_QUEUES
         self._capture: list | None = None  # begin_capture(): the kernels captured so far
         with _lock:
@@ -684,15 +613,15 @@ class Stream:
                 if m is not None:
                     self._queue.append(_Wait(s, m))
             self._queue.append(fn)
-            if getattr(fn, "memop", False):
-                self._last_memop = fn
+            if getattr(fn, "eager", False):
+                self._last_eager = fn
                 _start_progress()
                 _progress.notify_all()
 
     def _advance(self, upto=None):
         """Run queued work from the head, never blocking, until ``upto`` (an item of this queue with
-        ``ran``; None: everything) has run. True once it has; else why not: "value" (an unsatisfied
-        value wait is ahead, here or in a stream waited for: it may still be written) or "stall"
+        ``ran``; None: everything) has run. True once it has; else why not: "running" (a ring
+        kernel is ahead, here or in a stream waited for, whose blocks still run) or "stall"
         (a hung stream is ahead: it never completes). Called with ``_lock`` held."""
         while self._queue:
             if upto is not None and upto.ran:
@@ -704,13 +633,11 @@ class Stream:
                 why = head.stream._advance(head.marker)
                 if why is not True:
                     return why
-            elif isinstance(head, _ValueWait) and not head.satisfied():
-                return "value"
             elif isinstance(head, _Running):
                 if head.threads is None:
                     head.start()
                 if not head.finished():
-                    return "value"  # (it may still finish: look again)
+                    return "running"  # (it may still finish: look again)
             op = self._queue.popleft()
             if _JITTER and _rng.random() < 0.2:
                 time.sleep(_rng.random() * _JITTER)  # a slow GPU, now and then: races show up
@@ -718,10 +645,10 @@ class Stream:
         return True if upto is None or upto.ran else "stall"
 
     def _host_wait(self, upto=None, stall_hangs: bool = True) -> None:
-        """A host thread waits until ``upto`` (None: all queued work) has run: while an unsatisfied
-        value wait holds it, it polls with the lock released (some process may write the value: as
-        on a GPU it waits forever if none does); on a hung stream it never returns (``stall_hangs``)
-        or returns at once, leaving the work queued."""
+        """A host thread waits until ``upto`` (None: all queued work) has run: while a ring kernel's
+        blocks run ahead of it, it polls with the lock released (as on a GPU it waits forever if they
+        never return); on a hung stream it never returns (``stall_hangs``) or returns at once,
+        leaving the work queued."""
         while True:
             with _lock:
                 why = self._advance(upto)
@@ -805,7 +732,7 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        """cudaStreamQuery: runs what can run, never blocks (False while a value wait holds it)."""
+        """cudaStreamQuery: runs what can run, never blocks (False while a ring kernel ahead runs)."""
         with _lock:
             m = self._mark()
             return m is None or self._advance(m) is True
@@ -834,12 +761,12 @@ _current: dict[int, list[Stream]] = collections.defaultdict(list)
 _current_devices: list[int] = []
 
 
-# ------------------------------------------------------------------ progress of stream memory ops
+# ------------------------------------------------------------- progress of streams with ring kernels
 _progress_thread: threading.Thread | None = None
 
 
 def _start_progress() -> None:
-    """The process's progress thread (a daemon), started with the first stream memory operation."""
+    """The process's progress thread (a daemon), started with the first ring kernel queued."""
     global _progress_thread
     if _progress_thread is None:
         _progress_thread = threading.Thread(target=_progress_loop, name="emulated-gpu-streams", daemon=True)
@@ -847,26 +774,26 @@ def _start_progress() -> None:
 
 
 def _progress_loop() -> None:
-    """Run every stream that holds a stream memory operation up to its last one, as a GPU runs its
-    streams without the host: never blocking on an unsatisfied value wait (it looks again every
+    """Run every stream that holds a ring kernel up to its last one, as a GPU runs its streams
+    without the host: never blocking on a ring kernel whose blocks still run (it looks again every
     _POLL seconds, with the lock released) nor on a hung stream (it leaves it). A failure of queued
     work (a kernel's) is kept as a sticky error for the next synchronizing call, as CUDA does."""
     with _lock:
         while True:
             polling = False
             for s in list(Stream._by_ptr.values()):
-                last = s._last_memop
+                last = s._last_eager
                 if last is None:
                     continue
                 try:
                     why = s._advance(last)
                 except Exception as e:  # noqa: BLE001 - reported at the next synchronize
                     _violations.append(f"emulated CUDA: queued work failed on {s}: {type(e).__name__}: {e}")
-                    why = "value"  # the failed op is gone: go on with the rest soon
+                    why = "running"  # the failed op is gone: go on with the rest soon
                 if why is True:
-                    if s._last_memop is last:
-                        s._last_memop = None
-                elif why == "value":
+                    if s._last_eager is last:
+                        s._last_eager = None
+                elif why == "running":
                     polling = True
             _progress.wait(_POLL if polling else None)
 
@@ -925,7 +852,7 @@ def get_current_stream(device_id: int = -1) -> Stream:
 def _flush_all(stream: Stream | None = None) -> None:
     """Before a copy to or from the host: every stream runs what it can (never blocking), then the
     copy's stream (default: the current one) is waited for as CuPy's synchronous copy does: held by
-    an unsatisfied value wait, it blocks until the value is written; a hung stream is left queued."""
+    a running ring kernel, it blocks until its blocks return; a hung stream is left queued."""
     with _lock:
         for s in list(Stream._by_ptr.values()):
             s._advance(s._mark())
@@ -974,7 +901,7 @@ class Event:
         return True
 
     def synchronize(self) -> None:
-        """cudaEventSynchronize: blocks while a value wait holds the work before it; never returns
+        """cudaEventSynchronize: blocks while a ring kernel runs ahead of the work before it; never returns
         on a hung stream."""
         if self._stream is not None:
             self._stream._host_wait(self._marker)
