@@ -145,11 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             x = cp.asarray(base + r)
             out = cp.empty_like(x)
             ran = comm.transport_name(x)
-            small = n > 1 and x.nbytes <= comm._small("cuda")  # (collectives.all_reduce's rule)
-            algorithm = ("via host" if comm._via_host("cuda", 0) else "gather-fold") if small else "ring"
+            algorithm = "via host" if comm._via_host("cuda", x.nbytes) else "ring"  # (collectives.all_reduce's rule)
             if n > 1 and comm._transport("cuda").kernel:
                 algorithm = "one kernel"
-            steps = {"via host": 1, "gather-fold": n - 1}.get(algorithm) or len(schedule.all_reduce(n, comm.position))
+            steps = 1 if algorithm == "via host" else len(schedule.all_reduce(n, comm.position))
 
             def loop(calls: int) -> None:
                 for _ in range(calls):

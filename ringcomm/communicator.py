@@ -219,7 +219,7 @@ class Communicator:
         self._scratch: dict[str, Any] = {}
         self._plans: dict[tuple, Any] = {}  # ring plans (engine.Plan) by collective, root, dtype, bounds, addresses
         self._plan_bytes = 0
-        self._gathers: dict[tuple, GatherFold] = {}  # small all-reduces by kind, count, dtype
+        self._gathers: dict[tuple, GatherFold] = {}  # small host all-reduces by ("host", count, dtype)
         #: fast lanes of host calls that ran a cached plan (the shared-memory window's; a broadcast's
         #: or all-gather's Plan, at its buffers' addresses), but small all-reduces (whose gathers keep
         #: theirs): (ctx, run, ...) by collective, count, dtype, op, root (collectives; dropped with

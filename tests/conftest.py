@@ -48,8 +48,11 @@ def deadline_barrier(mpi: MPI.Intracomm, timeout: float = TEST_TIMEOUT) -> None:
 
 def default_gpu_transport() -> str:
     """The transport GPU edges inside a node get in this run: RINGCOMM_TRANSPORT when the run sets
-    one, else ipc."""
-    return os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or "ipc"
+    one (a removed name as its replacement), else ipc."""
+    from ringcomm.transports import RENAMED
+
+    name = os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or "ipc"
+    return RENAMED.get(name, name)
 
 
 @contextlib.contextmanager

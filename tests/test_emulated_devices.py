@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,30 @@ COPY_SRC = 'extern "C" __global__ void ringcomm_copy() {}'  # the stand-in runs 
 @pytest.fixture
 def emu(monkeypatch):
     """A fresh instance of the CuPy stand-in, with 4 devices unless a test sets otherwise."""
+    yield from _fresh(monkeypatch)
+
+
+@pytest.fixture
+def emu_queues(monkeypatch, request):
+    """As ``emu``, with ``request.param`` hardware work queues per process (RINGCOMM_EMULATED_WORK_QUEUES)."""
+    monkeypatch.setenv("RINGCOMM_EMULATED_WORK_QUEUES", str(request.param))
+    yield from _fresh(monkeypatch)
+
+
+def _fresh(monkeypatch):
     monkeypatch.setenv("RINGCOMM_EMULATED_DEVICES", "4")
     monkeypatch.delenv("RINGCOMM_EMULATED_PEER_ACCESS", raising=False)
+    monkeypatch.delenv("RINGCOMM_EMULATED_JITTER", raising=False)
     name = f"_ringcomm_emulated_cupy_{next(_names)}"
     spec = importlib.util.spec_from_file_location(name, EMULATED, submodule_search_locations=[str(EMULATED.parent)])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     yield mod
+    with mod._lock:  # queued work left over (a gated ring kernel) is dropped: the progress thread idles
+        for s in list(mod.Stream._by_ptr.values()):
+            s._queue.clear()
+            s._last_eager = None
     for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
         del sys.modules[key]
 
@@ -296,6 +313,74 @@ def test_queued_kernels_run_only_when_waited_for_and_a_stalled_stream_hangs_a_ho
     t.start()
     t.join(0.5)
     assert t.is_alive()
+
+
+def _gated_ring_kernel(emu, stream):
+    """A ring kernel's stand-in (the emulation's _Running: one block) queued on ``stream``, whose block
+    runs until ``open`` is set: (started, open, finished) events."""
+    started, gate, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def block(b: int) -> None:
+        started.set()
+        gate.wait(30)
+
+    stream._enqueue(emu._Running(1, block, finished.set))
+    return started, gate, finished
+
+
+def _until(pred, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_ring_kernel_runs_without_the_host_and_holds_its_stream(emu, harness):
+    """As on a GPU, a stream whose queue holds a ring kernel runs up to it without any host wait
+    (the work before it included); queries never block while its blocks run; the work queued after
+    it waits for every block to return, and then stays lazy, as does another stream's work."""
+    k = _copy_kernel(emu)
+    a, b = emu.zeros(256, np.float32), emu.arange(256, dtype=np.float32)
+    emu.cuda.Stream.null.synchronize()
+    s, other = emu.cuda.Stream(non_blocking=True), emu.cuda.Stream(non_blocking=True)
+    k((1,), (512,), (a.data.ptr, b.data.ptr, a.nbytes), stream=other)  # lazy: nothing waits for it
+    k((1,), (512,), (a.data.ptr, b.data.ptr, a.nbytes), stream=s)
+    started, gate, finished = _gated_ring_kernel(emu, s)
+    k((1,), (512,), (a.data.ptr, b.data.ptr, a.nbytes), stream=s)
+    assert started.wait(10), "the ring kernel did not start without a host wait"
+    assert emu._emulated_kernels_run() == 1  # the kernel before it ran; the one after it waits
+    t0 = time.monotonic()
+    assert [s.done for _ in range(5)] == [False] * 5 and time.monotonic() - t0 < 1  # queries never block
+    gate.set()
+    assert _until(finished.is_set), "the ring kernel's stream did not go on once its block returned"
+    time.sleep(0.1)
+    assert emu._emulated_kernels_run() == 1  # after the last ring kernel, and the other stream: lazy
+    s.synchronize()
+    assert emu._emulated_kernels_run() == 2
+    other.synchronize()
+    assert emu._emulated_kernels_run() == 3
+
+
+@pytest.mark.parametrize("emu_queues", [1, 8], indirect=True)
+def test_streams_aliased_onto_one_work_queue_wait_behind_a_ring_kernel(emu_queues):
+    """Streams alias onto RINGCOMM_EMULATED_WORK_QUEUES hardware work queues, round robin (CUDA's
+    CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; fewer per process under MPS): with one queue a ring
+    kernel queued on stream B after one on stream A that spins does not start until A's returns;
+    with 8 queues, it starts at once."""
+    emu = emu_queues
+    sa, sb = emu.cuda.Stream(non_blocking=True), emu.cuda.Stream(non_blocking=True)
+    a_started, a_gate, a_finished = _gated_ring_kernel(emu, sa)
+    try:
+        b_started, b_gate, _ = _gated_ring_kernel(emu, sb)
+        b_gate.set()
+        assert a_started.wait(10)
+        assert b_started.wait(0.3 if emu._WORK_QUEUES == 1 else 10) is (emu._WORK_QUEUES != 1)
+        a_gate.set()
+        assert a_finished.wait(10) and b_started.wait(10)
+    finally:
+        a_gate.set()
 
 
 # -------------------------------------------------------------------------------- IPC, two processes

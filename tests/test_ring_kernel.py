@@ -10,8 +10,8 @@
   a GPU (x86 would hide it at run time: the weakened builds still compute the right results); the
   weakened builds run a shorter sequence (N = 2 and 3, three counts), which already races.
 
-The emulated GPU (tests/test_cuda_emulated.py, variant "kernel") runs the same kernel across
-processes, through ringcomm.executor.
+The emulated GPU (tests/test_cuda_emulated.py: the kernel transport's tests in tests/gpu) runs the
+same kernel across processes, through ringcomm.executor.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ ranks' records, RINGCOMM_TRANSPORT, and the CUDA-aware-MPI probe and its overrid
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from ringcomm import transports
@@ -77,8 +79,12 @@ def test_environment_override_names(monkeypatch):
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "Staged")
     assert transports.override() == "staged"
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "ipc-stream")  # (removed: the ring kernel replaced it)
+    monkeypatch.setattr(transports, "_renamed_warned", set())
     with pytest.warns(FutureWarning, match="ipc-stream was removed; it now selects 'kernel'"):
         assert transports.override() == "kernel"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert transports.override() == "kernel"  # (warned once per process)
     monkeypatch.setenv("RINGCOMM_TRANSPORT", "nccl")
     with pytest.raises(ValueError, match="RINGCOMM_TRANSPORT"):
         transports.override()

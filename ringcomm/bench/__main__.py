@@ -560,8 +560,10 @@ def _header(
                 f"all_reduce: gather-fold, {fold}; copied back)"
             )
             above = "above"
-        algorithm = (
-            f"{small}; {above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests)"
+        else:  # GPU arrays that the host does not route (one rank, or small_bytes 0 on a rank)
+            small, above = "", "every collective"
+        algorithm = (f"{small}; " if small else "") + (
+            f"{above}: ring (host buffers up to {PLAN_BYTES >> 20} MiB: cached plans of persistent requests)"
         )
     out(f"# Algorithm: {algorithm} (small_bytes, RINGCOMM_SMALL_BYTES, RINGCOMM_SHM)")
     out(

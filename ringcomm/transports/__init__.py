@@ -51,16 +51,20 @@ NAMES = ("mpi", "ipc", "staged", "kernel")
 #: names RINGCOMM_TRANSPORT still accepts for the transport that replaced theirs: "ipc-stream" (IPC
 #: with the step handshake on the GPU's streams, removed: the ring kernel keeps the handshake on the GPU)
 RENAMED = {"ipc-stream": "kernel"}
+_renamed_warned: set[str] = set()  # (one FutureWarning per name and process)
 #: peer GPUs a record can list (the GPUs of one node that this rank's GPU can access)
 MAX_PEERS = 16
 
 
 def override() -> str:
     """The transport named by RINGCOMM_TRANSPORT ("" when unset; a :data:`RENAMED` name as its
-    replacement's, with a FutureWarning); ValueError for an unknown name."""
+    replacement's, with a FutureWarning the first time); ValueError for an unknown name."""
     name = os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower()
     if name in RENAMED:
         new = RENAMED[name]
+        if name in _renamed_warned:
+            return new
+        _renamed_warned.add(name)
         warnings.warn(
             f"RINGCOMM_TRANSPORT={name} was removed; it now selects {new!r}, which replaced it",
             FutureWarning,

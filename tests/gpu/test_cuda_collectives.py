@@ -285,7 +285,7 @@ def test_transport_choice_is_logged(caplog):
 
 @pytest.mark.parallel(nprocs=[2])
 def test_calls_alternating_between_two_streams_without_host_syncs():
-    """Buffers the communicator owns (the small all-reduce's plan buffer, reduce_scatter's scratch,
+    """Buffers the communicator owns (the small calls' pinned host stage, reduce_scatter's scratch,
     the staged transport's device scratch) are reused by the next call, here on the other stream,
     with no host synchronisation between the calls: each call's stream must wait for the last use
     of every such buffer by the call before (a "last use" event per buffer)."""
@@ -299,7 +299,7 @@ def test_calls_alternating_between_two_streams_without_host_syncs():
         for i in range(12):
             s = streams[i % 2]
             with s:  # the inputs are written on the call's stream
-                small = cupy.full(1000, r + 10 * i, cupy.float32)  # 4000 bytes: the gather-fold plan
+                small = cupy.full(1000, r + 10 * i, cupy.float32)  # 4000 bytes: through the host (kernel: one-shot)
                 ring = cupy.full(20_003, r + 10 * i, cupy.float32)  # the ring (> small_bytes), reduce_scatter's scratch
             comm.all_reduce(small, stream=s)
             shard = comm.reduce_scatter(ring, stream=s)

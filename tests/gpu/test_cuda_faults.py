@@ -130,17 +130,18 @@ def test_bench_synchronisation_has_the_deadline():
 
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.alone  # rank 1's stalled stream never completes (as test_hung_stream's)
-def test_kernel_ring_reports_a_peer_whose_stream_is_stuck():
+def test_kernel_ring_reports_a_peer_whose_stream_is_stuck(monkeypatch):
     """Rank 1's stream never runs (a hung kernel queued before the call): rank 0's all_reduce
     returns at once; its ring kernel waits for rank 1's header until the deadline, records a
     timeout naming the collective, step and peer, and returns, so rank 0's stream completes; the
     error comes from check_errors() within timeout + 1 s, and the communicator is aborted."""
+    monkeypatch.setenv("RINGCOMM_ONESHOT_BYTES", "0")  # (the ring's steps, whatever the one-shot's default)
     r = MPI.COMM_WORLD.rank
     timeout = 2.0
     comm = comm_with("kernel", timeout=timeout)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
-        x = cupy.full(50_000, r, cupy.float32)  # (200 KB: the ring's steps, not the one-shot)
+        x = cupy.full(50_000, r, cupy.float32)
     comm.all_reduce(cupy.ones(64, cupy.float32), stream=s)  # a first call: set-up done, streams fine
     s.synchronize()
     comm.check_errors()

@@ -863,8 +863,8 @@ def _flush_all(stream: Stream | None = None) -> None:
 
 
 def _flush_device(device: int) -> None:
-    """cudaDeviceSynchronize on ``device``: its streams and the null stream (blocking while a value
-    wait holds one of them; a hung stream is left queued)."""
+    """cudaDeviceSynchronize on ``device``: its streams and the null stream (blocking while a ring
+    kernel's blocks run in one of them; a hung stream is left queued)."""
     with _lock:
         marks = [(s, s._mark()) for s in list(Stream._by_ptr.values()) if s.device_id in (device, -1)]
     for s, m in marks:
