@@ -30,7 +30,9 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     """(kind, flat view, device) for the input array ``x``.
 
     A GPU collective runs on ``stream``; by default on PyTorch's current stream for a PyTorch CUDA
-    tensor, else on CuPy's current stream (arrays.default_stream). DLPack imports happen on it.
+    tensor, else on CuPy's current stream (arrays.default_stream). DLPack imports happen on it. A
+    stream that captures a CUDA graph is refused (RuntimeError, before any communication) unless the
+    ring runs its calls as ring kernels (:func:`_capturable`).
     """
     comm._usable()
     if type(x) is np.ndarray and stream is None:  # a numpy array: nothing to import, no stream to pick
@@ -41,7 +43,30 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     check_dtype(a.dtype, op)
     if stream is not None and kind == "host":
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
-    return kind, flat(a, name), comm._device(kind, run_on)
+    device = comm._device(kind, run_on)
+    if kind != "host" and comm.size > 1 and device.stream.is_capturing():
+        _capturable(comm, kind, name)
+    return kind, flat(a, name), device
+
+
+def _capturable(comm: Any, kind: str, name: str) -> None:
+    """Raise RuntimeError unless a call on ``kind`` arrays can be captured in a CUDA graph: only a
+    ring kernel's (one launch; the host-driven transports wait on the host between steps, which a
+    capture refuses), and only once the ring's transports are set up (a collective set-up that
+    synchronises the GPU: before the capture, as for NCCL's communicators)."""
+    link = comm._transports.get(kind)
+    if link is None:
+        raise RuntimeError(
+            f"{name}: its stream is capturing a CUDA graph, but this communicator has not set up its GPU "
+            "transports yet (a collective set-up that synchronises the GPU): make one GPU call, or "
+            "comm.transport_name(array), on every rank before the capture"
+        )
+    if not link.kernel:
+        why = link.note or f"its transport is {link.name}, which waits on the host between steps"
+        raise RuntimeError(
+            f"{name}: its stream is capturing a CUDA graph, and only a ring kernel's calls can be captured "
+            f"(RINGCOMM_TRANSPORT=kernel, on a ring of IPC edges whose kernels run at once); this ring: {why}"
+        )
 
 
 def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any, name: str = "out") -> Any:

@@ -597,3 +597,35 @@ def test_gpu_host_cost_measures_every_transport_and_ringcomms_python_on_a_kernel
     assert [r["algorithm"] for r in rows[2:]] == ["one kernel"] * 2
     assert all(r["python_us_per_call"] > 0 for r in rows[2:]) and all(r["python_us_per_call"] == 0 for r in rows[:2])
     assert "python" in run.stdout.splitlines()[1], run.stdout
+
+
+@emulated_gpu
+def test_graph_replay_times_eager_and_replayed_calls_and_checks_every_result(gpu_env, tmp_path):
+    """benchmarks/graph_replay.py at N = 2: ringcomm's ring kernel eagerly and replayed from a CUDA graph,
+    every result checked (#wrong 0); NCCL eagerly, and its capture refused with the emulated GPU's reason
+    (it captures kernels only), a row on every rank alike; and on a ring that stays host-driven (no MPS),
+    ringcomm's capture is refused with ringcomm's reason."""
+    path = tmp_path / "graph.json"
+    cmd = ["mpiexec", "-n", "2", "python", "benchmarks/graph_replay.py", "--sizes", "8", "64K"]
+    cmd += ["--calls", "3", "--replays", "4", "--json", str(path)]
+    run = run_emulated({**gpu_env, "RINGCOMM_TRANSPORT": "kernel"}, cmd, 240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["impl"], r["bytes"]) for r in rows] == [
+        ("ringcomm", 8),
+        ("nccl", 8),
+        ("ringcomm", 65536),
+        ("nccl", 65536),
+    ]
+    assert all(r["wrong"] == 0 and r["eager_us"] > 0 for r in rows), rows
+    assert all(r["graph_us"] > 0 and r["note"] == "" for r in rows if r["impl"] == "ringcomm"), rows
+    assert all(r["graph_us"] is None and r["note"].startswith("capture refused: ") for r in rows if r["impl"] == "nccl")
+    assert "# CUDA graph replay: all_reduce float32 sum out of place, 2 ranks, 3 calls per graph" in run.stdout
+    cmd[-1] = str(tmp_path / "host-driven.json")
+    run = run_emulated(
+        {**gpu_env, "RINGCOMM_TRANSPORT": "kernel", "RINGCOMM_EMULATED_MPS": "0"}, cmd + ["--impl", "ringcomm"], 240
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "host-driven.json").read_text())["rows"]
+    assert all(r["graph_us"] is None and r["wrong"] == 0 for r in rows), rows
+    assert all("only a ring kernel's calls can be captured" in r["note"] and "not under MPS" in r["note"] for r in rows)

@@ -239,12 +239,13 @@ def test_the_bench_steps_use_the_carried_nccl_only_after_its_smoke_test():
     assert text[assigned[1] :].split("\n")[0].strip() == (
         'NCCL_ENV="RINGCOMM_NCCL_LIB=$NCCL_LIB NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=WARN"'
     )
-    # every mpiexec of the bench steps runs with it (and only those: the tests keep CuPy's NCCL)
-    bench = [line for line in lines if "mpiexec" in line and "ringcomm.bench" in line]
-    assert len(bench) == 2 and all(
+    # every mpiexec of the bench steps (and the graph replay's) runs with it (and only those: the tests keep
+    # CuPy's NCCL)
+    bench = [line for line in lines if "mpiexec" in line and ("ringcomm.bench" in line or "graph replay" in line)]
+    assert len(bench) == 3 and all(
         re.search(r"\$NCCL_ENV RINGCOMM_\w+=\S+ (RINGCOMM_\w+=\S+ )?mpiexec", b) for b in bench
     )
-    assert text.count("$NCCL_ENV") == 2
+    assert text.count("$NCCL_ENV") == 3
 
 
 _STUB = '''#!{python}
@@ -292,10 +293,10 @@ def test_every_step_with_the_carried_nccl_or_without(tmp_path, carried):
     rc, out = _run(env, tmp_path, timeout=240)
     log = [json.loads(line) for line in calls.read_text().splitlines()]
     smoke = [c for c in log if c["args"][0].endswith("gpu_smoke_test.py")]
-    bench = [c for c in log if c["args"][:2] == ["-m", "ringcomm.bench"]]
+    bench = [c for c in log if c["args"][:2] == ["-m", "ringcomm.bench"] or "graph_replay.py" in c["args"][0]]
     others = [c for c in log if c not in smoke and c not in bench]
-    # ringcomm-bench at N = 2; ipc, kernel and kernel without one-shot at N = 2 and 4
-    assert len(bench) == 2 + 3 * (2 + 4), log
+    # ringcomm-bench at N = 2; ipc, kernel and kernel without one-shot at N = 2 and 4; the graph replay at N = 2
+    assert len(bench) == 2 + 3 * (2 + 4) + 2, log
     assert others and all(c["lib"] is None for c in others), others  # the tests and other benchmarks: CuPy's NCCL
     if carried == "none":
         assert rc == 0 and smoke == [], out

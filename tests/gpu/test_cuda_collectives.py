@@ -367,6 +367,31 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     comm.check_errors()
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_a_capture_on_a_host_driven_ring_is_refused_before_any_communication():
+    """A collective on a capturing stream where the ring waits on the host between steps (ipc), or
+    before the communicator set its GPU transports up: a RuntimeError saying why, on every rank,
+    before any message; the capture ends cleanly and the communicator stays usable."""
+    _use_local_gpu()
+    n = MPI.COMM_WORLD.size
+    fresh, comm = comm_with(None), comm_with("ipc")  # (fresh: no GPU call yet)
+    x = cupy.ones(1000, cupy.float32)
+    s = cupy.cuda.Stream(non_blocking=True)
+    for c, why in ((comm, "only a ring kernel's calls can be captured.*transport is ipc"), (fresh, "not set up")):
+        with s:
+            s.begin_capture()
+            with pytest.raises(RuntimeError, match=f"capturing a CUDA graph.*{why}"):
+                c.all_reduce(x, stream=s)
+            with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+                c.reduce_scatter(x, stream=s)
+            s.end_capture()
+    comm.all_reduce(x)
+    fresh.all_reduce(x)
+    assert (host(x) == n * n).all()
+    comm.close()
+    fresh.close()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_kernel_lane_repeats_an_all_reduce_with_its_checks_and_launch_alone(monkeypatch):
     """RINGCOMM_TRANSPORT=kernel: an all-reduce like one that ran before (count, dtype, op, in place
