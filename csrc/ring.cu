@@ -1,11 +1,14 @@
 // ringcomm ring executor: a whole ring collective in one kernel launch (ringcomm/executor.py).
 //
 //   ringcomm_ring_<op>_<dtype>(const long long* table, int nsteps, int nchunks, T* work, const T* src,
-//                              float* acc, u64* mine, u64* left, u64* right, u64* err, u64 sig,
+//                              float* acc, T* own, u64* mine, u64* left, u64* right, u64* err, u64 sig,
 //                              u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes,
 //                              int use_div, double div)
 // (``place``: this rank's ring place, named in the failures it records; ``acc``: null, or with
-// accumulate="float32" on a half type, float32 partial sums as long as work, as the engine's ACC)
+// accumulate="float32" on a half type, float32 partial sums as long as work, as the engine's ACC;
+// ``own``: null, or one chunk alone, addressed from the chunk's first element: an all-gather's shard,
+// sent and copied from there, or a reduce-scatter's result, its last reduction written there, so
+// that neither needs a copy of its own around the kernel)
 //
 // with op in sum, prod, min, max and dtype in f16 bf16 f32 f64 i8 u8 i16 u16 i32 u32 i64 u64.
 // Launch: one block of RC_BLOCK threads per channel, as many channels as the communicator's control
@@ -13,12 +16,13 @@
 // each other).
 //
 // The schedule is ringcomm.schedule's, bound by ringcomm.engine.bind, passed as ``table`` (int64):
-//   nsteps rows of 8: send chunk (-1: none), send from (0 src, 1 work, 2 acc), recv chunk (-1: none),
+//   nsteps rows of 8: send chunk (-1: none), send from (0 src, 1 work, 2 acc, 3 own), recv chunk (-1: none),
 //                     reduce (1) or copy (0), final (the chunk's last reduction: AVG divides, a wide call
 //                     rounds to T), local from (0 src, 1 work), widen from (-1: none; else 0 src, 1 work:
-//                     this rank's own data, sent in float32), 0
+//                     this rank's own data, sent in float32), into (0 work, 1 own)
 //   nchunks rows of 2: the chunk's [lo, hi) in elements
-//   nchunks words: 1 where the chunk must be copied from src to work at the end (no step wrote it)
+//   nchunks words: 1 where the chunk must be copied from src to work at the end (no step wrote it), 2
+//                  where from own
 // nsteps = -1: a one-shot all-reduce (small counts): nchunks = N ring places, the table is the N
 // chunks' (lo, hi), every place's control block as mapped here (N words), and the inbox's bytes per
 // sender. Each channel pushes its part of src into every other rank's inbox (half ``call`` & 1, row
@@ -97,6 +101,7 @@ struct RingArgs {
   unsigned char* work;
   const unsigned char* src;
   unsigned char* acc;  // accumulate="float32": float32 partial sums, as many as work's elements; else null
+  unsigned char* own;  // one chunk alone (from its first element): table's "own"; else null
   u64 *mine, *left, *right, *err;
   u64 sig, count, timeout_ns;
   int slots;
@@ -302,10 +307,12 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
     const u64 s_isz = row[1] == 2 ? 4 : isz, r_isz = wide && row[3] ? 4 : isz;
     const u64 s_per = a.slot_bytes / s_isz, r_per = a.slot_bytes / r_isz;
     const u64 ns = (shi - slo + s_per - 1) / s_per, nr = (rhi - rlo + r_per - 1) / r_per;
-    const unsigned char* from = row[1] == 2 ? a.acc : row[1] ? a.work : a.src;
+    // (own holds one chunk from its first element: ``s_at``/``r_at`` the element it starts at, else 0)
+    const unsigned char* from = row[1] == 3 ? a.own : row[1] == 2 ? a.acc : row[1] ? a.work : a.src;
+    const u64 s_at = row[1] == 3 ? (u64)bounds[2 * sc] : 0, r_at = row[7] ? (u64)bounds[2 * rc_] : 0;
     const T* local = (const T*)(row[5] ? a.work : a.src);
     const T* widen = row[6] < 0 ? nullptr : (const T*)(row[6] ? a.work : a.src);
-    T* dst = (T*)a.work;
+    T* dst = (T*)(row[7] ? a.own : a.work);
     for (u64 j = 0; j < ns || j < nr; ++j) {
       if (j < ns) {  // piece j of the chunk sent: into the right's FIFO once a slot is free there
         if (RC_LEADER) status = wait_for(a, freed, sent + 1 - a.slots, place, call, k, 1);
@@ -318,7 +325,7 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
             RC_THREADS(t) acc_thread<T, OpSum, ACC_WIDEN>(t, RC_BLOCK, (float*)slot, widen + lo, nullptr, n, 0, 1.0f);
           }
         }
-        if (!widen) RC_THREADS(t) copy_thread(t, RC_BLOCK, slot, from + lo * s_isz, n * s_isz);
+        if (!widen) RC_THREADS(t) copy_thread(t, RC_BLOCK, slot, from + (lo - s_at) * s_isz, n * s_isz);
         RC_BARRIER();
         if (RC_LEADER) st_release(right_ready, ++sent);
       }
@@ -329,15 +336,15 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
         const u64 lo = rlo + j * r_per, n = (rhi - lo < r_per ? rhi - lo : r_per);
         const unsigned char* in = slot_of(a.mine, a, got);
         if (!row[3]) {
-          RC_THREADS(t) copy_thread(t, RC_BLOCK, (unsigned char*)(dst + lo), in, n * isz);
+          RC_THREADS(t) copy_thread(t, RC_BLOCK, (unsigned char*)(dst + (lo - r_at)), in, n * isz);
         } else if (!wide) {
           const bool div = row[4] && a.use_div;
-          RC_THREADS(t) reduce_thread<T, Op>(t, RC_BLOCK, dst + lo, local + lo, (const T*)in, n, div, a.div);
+          RC_THREADS(t) reduce_thread<T, Op>(t, RC_BLOCK, dst + (lo - r_at), local + lo, (const T*)in, n, div, a.div);
         } else if constexpr (half) {
           const float* partial = (const float*)in;
-          if (row[4]) {  // the chunk's last reduction: rounded once into work (AVG divides in float32)
-            RC_THREADS(t) acc_thread<T, Op, ACC_FINAL>(t, RC_BLOCK, dst + lo, local + lo, partial, n, a.use_div,
-                                                       (float)a.div);
+          if (row[4]) {  // the chunk's last reduction: rounded once into work or own (AVG divides in float32)
+            RC_THREADS(t) acc_thread<T, Op, ACC_FINAL>(t, RC_BLOCK, dst + (lo - r_at), local + lo, partial, n,
+                                                       a.use_div, (float)a.div);
           } else {  // a partial sum, kept in float32 in ACC for the next step to send
             RC_THREADS(t) acc_thread<T, Op, ACC_PARTIAL>(t, RC_BLOCK, (float*)a.acc + lo, local + lo, partial, n, 0,
                                                          1.0f);
@@ -354,7 +361,8 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
     if (!copies[c]) continue;
     u64 lo, hi;
     channel_range(a, bounds[2 * c], bounds[2 * c + 1], lo, hi);
-    RC_THREADS(t) copy_thread(t, RC_BLOCK, a.work + lo * isz, a.src + lo * isz, (hi - lo) * isz);
+    const unsigned char* from = copies[c] == 2 ? a.own + (lo - (u64)bounds[2 * c]) * isz : a.src + lo * isz;
+    RC_THREADS(t) copy_thread(t, RC_BLOCK, a.work + lo * isz, from, (hi - lo) * isz);
   }
   if (RC_LEADER) {
     st_relaxed(state, sent);
@@ -369,12 +377,12 @@ template <typename T, typename Op> __device__ __forceinline__ void ring_block(co
 #ifndef RC_HOST_EMULATION
 #define RC_RING_ENTRY(OPNAME, OP, SUFFIX, T)                                                                     \
   extern "C" __global__ void __launch_bounds__(RC_BLOCK) ringcomm_ring_##OPNAME##_##SUFFIX(                       \
-      const long long* table, int nsteps, int nchunks, T* work, const T* src, float* acc, rc::u64* mine,          \
+      const long long* table, int nsteps, int nchunks, T* work, const T* src, float* acc, T* own, rc::u64* mine, \
       rc::u64* left, rc::u64* right, rc::u64* err, rc::u64 sig, rc::u64 count, rc::u64 timeout_ns, int place,     \
       int slots, rc::u64 slot_bytes, int use_div, double div) {                                                  \
     const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src,               \
-                         (unsigned char*)acc, mine, left, right, err, sig, count, timeout_ns, slots, slot_bytes, \
-                         use_div, div, blockIdx.x, gridDim.x};                                                   \
+                         (unsigned char*)acc, (unsigned char*)own, mine, left, right, err, sig, count,         \
+                         timeout_ns, slots, slot_bytes, use_div, div, blockIdx.x, gridDim.x};                  \
     rc::ring_block<T, OP>(a, (rc::u64)place);                                                                     \
   }
 

@@ -379,8 +379,14 @@ def reduce_scatter(
         )
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype)
-        comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position])
-        device.copy(result, work[lo:hi])
+        # a ring kernel reduces this rank's chunk straight into the result (one launch), when the result
+        # lies apart from x or is x's own chunk (read by that last reduction alone, element by element)
+        kernel = kind != "host" and comm._transport(kind).kernel
+        into = kernel and (relation(result, src) == "apart" or relation(result, src[lo:hi]) == "same")
+        own = (result, comm.position, "out") if into else None
+        comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position], own=own)
+        if own is None:
+            device.copy(result, work[lo:hi])
         comm._scratch_done(kind, device)
     return out if out is not None else result
 
@@ -437,10 +443,13 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     if out is not None and comm._via_host(kind, work.nbytes):  # (out None: sizes only known once agreed)
         _through_host(comm, ctx, count, src, lo, work, lambda stage: all_gather(comm, stage[lo:hi], out=stage))
         return out
-    if place != "same":
+    # a ring kernel sends this rank's shard from where it lies, and copies it into out (one launch)
+    own = (src, comm.position, "in") if place != "same" and kind != "host" and comm._transport(kind).kernel else None
+    if place != "same" and own is None:
         device.copy(mine, src)
     steps = schedule.all_gather(n, comm.position)
-    plan = comm._run(ctx, kind, work.size, steps, comm._in_ring(bounds), work, work, agreed=agreed)
+    chunks = comm._in_ring(bounds)
+    plan = comm._run(ctx, kind, work.size, steps, chunks, work, work, agreed=agreed, own=own)
     if plan is not None and out is not None:  # (the bounds of out's count: those of later such calls)
         comm._lanes["all_gather", work.size, src.dtype] = (
             *_new_lane(comm, plan, "all_gather", src.dtype, None, -1),

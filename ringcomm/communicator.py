@@ -606,6 +606,7 @@ class Communicator:
         result_chunks: Any = (),
         root: int = -1,
         agreed: bool = False,
+        own: Any = None,
     ) -> Any:
         """Run one collective's schedule through the engine. ``count``: the user's element count.
         Returns the cached plan that ran (the shared-memory window's, or a Plan or DirectPlan bound
@@ -621,7 +622,8 @@ class Communicator:
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
         (``ctx.acc``) for the call, and the engine's loop runs. GPU arrays on a ring whose every edge
         is "kernel" (RINGCOMM_TRANSPORT=kernel) run as one kernel (ringcomm.executor) instead of the
-        engine's loop."""
+        engine's loop; ``own`` (a kernel ring's only: executor.step_table's) puts one chunk in an array
+        of its own, so that the collective queues no copy around the kernel."""
         link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)
@@ -653,7 +655,7 @@ class Communicator:
         if kind != "host" and link.kernel:  # one kernel runs every step (ringcomm.executor)
             ex = self._executor(ctx.device, link)
             run, algorithm = ex.run, ex.algorithm(ctx, bounds, _schedule_name(ctx))
-            args = (steps, bounds, work, src, result_chunks)
+            args = (steps, bounds, work, src, result_chunks, own)
             nsteps = 1 if ex.one_shot(ctx, bounds) else len(steps)
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, run, *args)
         else:

@@ -149,12 +149,21 @@ def region_bytes(channels: int, ranks: int, oneshot: int) -> int:
 
 
 def step_table(
-    steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any, wide: bool = False
+    steps: tuple[Step, ...],
+    bounds: Bounds,
+    in_place: bool,
+    result_chunks: Any,
+    wide: bool = False,
+    own: tuple[int, str] | None = None,
 ) -> np.ndarray:
     """The int64 table csrc/ring.cu runs (see its header): per step (send chunk, send from, recv
-    chunk, reduce, final, local from, widen from, 0), engine.bind's for these steps; then every
+    chunk, reduce, final, local from, widen from, into), engine.bind's for these steps; then every
     chunk's (lo, hi); then per chunk 1 where it must be copied from src at the end (a result chunk
-    that no step wrote). ``wide``: accumulate="float32" (partial sums in ACC, sent in float32)."""
+    that no step wrote). ``wide``: accumulate="float32" (partial sums in ACC, sent in float32).
+    ``own``: None, or (chunk, way) where that chunk lies in a buffer of its own (csrc/ring.cu's
+    ``own``), so that no copy is queued around the kernel: "in", an all-gather's shard (every send of
+    the chunk reads it there, and it is copied from there into work at the end: 3 and 2); "out", a
+    reduce-scatter's result (the step that receives the chunk, its last reduction, writes it there: into 1)."""
     bound, written = bind(steps, len(bounds), in_place, wide)
     rows = [
         (
@@ -165,13 +174,16 @@ def step_table(
             int(st.final),
             0 if local_from is None else local_from,
             -1 if widen_from is None else widen_from,
-            0,
+            int(own is not None and own[1] == "out" and st.recv == own[0]),
         )
         for st, (send_from, widen_from, local_from) in zip(steps, bound)
     ]
     copies = [0] * len(bounds)
     for c in result_chunks:
         copies[c] = int(not written[c])
+    if own is not None and own[1] == "in":
+        rows = [(row[0], 3, *row[2:]) if row[0] == own[0] else row for row in rows]
+        copies[own[0]] = 2
     return np.array([v for row in rows for v in row] + [v for b in bounds for v in b] + copies, np.int64)
 
 
@@ -259,7 +271,7 @@ class RingExecutor:
         at = np.uint64(table.data.ptr)
         sig = signature("all_reduce", np.dtype(np.uint8), ReduceOp.SUM, -1)
         start = time.perf_counter()
-        args = (at, np.int32(0), np.int32(0), at, at, np.uint64(0), *self._ring_args(sig, 0, seconds))
+        args = (at, np.int32(0), np.int32(0), at, at, np.uint64(0), np.uint64(0), *self._ring_args(sig, 0, seconds))
         args += (np.int32(0), np.float64(1))
         k((self.channels,), (BLOCK,), args, stream=self.setup)
         done = cupy.cuda.Event()
@@ -318,19 +330,36 @@ class RingExecutor:
         )
 
     def run(
-        self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, work: Any, src: Any, result_chunks: Any = ()
+        self,
+        ctx: Any,
+        steps: tuple[Step, ...],
+        bounds: Bounds,
+        work: Any,
+        src: Any,
+        result_chunks: Any = (),
+        own: tuple | None = None,
     ) -> int:
-        """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent."""
-        key = self.key(ctx, steps, bounds, work is src, result_chunks)
+        """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent.
+        ``own``: None, or (array, chunk, way): :func:`step_table`'s ``own``, in that array."""
+        way = None if own is None else own[1:]
+        key = self.key(ctx, steps, bounds, work is src, result_chunks, way)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
-            call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks)
-        return self.launch(key, call, ctx.device, work, src, ctx.acc)
+            call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
+        return self.launch(key, call, ctx.device, work, src, ctx.acc, None if own is None else own[0])
 
-    def key(self, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks: Any) -> tuple:
-        """What a kind of call's launch is kept by (:attr:`calls`): its steps, chunks and header."""
+    def key(
+        self,
+        ctx: Any,
+        steps: tuple[Step, ...],
+        bounds: Bounds,
+        in_place: bool,
+        result_chunks: Any,
+        own: tuple[int, str] | None = None,
+    ) -> tuple:
+        """What a kind of call's launch is kept by (:attr:`calls`): its steps, chunks, own chunk and header."""
         header = (ctx.dtype, ctx.op, ctx.root, ctx.collective, ctx.wide)
-        return (id(steps), bounds, in_place, tuple(result_chunks), *header, self.one_shot(ctx, bounds))
+        return (id(steps), bounds, in_place, tuple(result_chunks), own, *header, self.one_shot(ctx, bounds))
 
     def one_shot(self, ctx: Any, bounds: Bounds) -> bool:
         """Whether the call runs one-shot: an all-reduce of at most :attr:`oneshot` bytes (not
@@ -344,7 +373,9 @@ class RingExecutor:
         name) in one kernel."""
         return f"{'one-shot' if self.one_shot(ctx, bounds) else ring} (one kernel)"
 
-    def launch(self, key: tuple, call: tuple, device: Any, work: Any, src: Any, acc: Any = None) -> int:
+    def launch(
+        self, key: tuple, call: tuple, device: Any, work: Any, src: Any, acc: Any = None, own: Any = None
+    ) -> int:
         """Queue the kept ``call`` (:attr:`calls`'s ``key``) on ``device``'s stream; return the payload bytes
         sent (run's work once it found the call; collectives' kernel lane calls it straight)."""
         self.calls.move_to_end(key)
@@ -358,7 +389,7 @@ class RingExecutor:
         if not capturing:
             device.after(self.last)
         args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), np.uint64(0 if acc is None else pointer(acc)))
-        args += tail
+        args += (np.uint64(0 if own is None else pointer(own)), *tail)
         k((self.channels,), (BLOCK,), args, stream=stream)
         if capturing:
             self.captured[id(table)] = table  # (a graph may replay it for as long as the executor lives)
@@ -366,7 +397,16 @@ class RingExecutor:
             self.last = device.record(self.last)
         return sent
 
-    def _prepare(self, key: tuple, ctx: Any, steps: tuple[Step, ...], bounds: Bounds, in_place: bool, result_chunks):
+    def _prepare(
+        self,
+        key: tuple,
+        ctx: Any,
+        steps: tuple[Step, ...],
+        bounds: Bounds,
+        in_place: bool,
+        result_chunks: Any,
+        own: tuple[int, str] | None,
+    ):
         """What every call like this one launches (kept by ``key``, at most CALLS): the step table
         in device memory (copied in on the call's stream), the kernel, its arguments but the
         buffers', and the payload bytes sent."""
@@ -375,7 +415,7 @@ class RingExecutor:
         if one_shot:  # (csrc/ring.cu: the chunks, every place's allocation as mapped here, the inbox row's bytes)
             host = np.array([v for b in bounds for v in b] + self.peers + [self.oneshot], np.int64)
         else:
-            host = step_table(steps, bounds, in_place, result_chunks, ctx.wide)
+            host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, own)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
             with self.setup:
                 table = self.cupy.asarray(host)

@@ -205,12 +205,13 @@ extern "C" {
 // op: 0 sum, 1 prod, 2 min, 3 max. -1 for a bad dtype or op.
 #ifndef RC_HOST_CUPY_OPTIONS
 int rc_ring_block(int dtype, int op, unsigned channel, unsigned channels, const long long* table, int nsteps,
-                  int nchunks, void* work, const void* src, void* acc, u64* mine, u64* left, u64* right, u64* err,
-                  u64 sig, u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div, double div) {
+                  int nchunks, void* work, const void* src, void* acc, void* own, u64* mine, u64* left, u64* right,
+                  u64* err, u64 sig, u64 count, u64 timeout_ns, int place, int slots, u64 slot_bytes, int use_div,
+                  double div) {
   if (op < 0 || op > 3) return -1;
   const rc::RingArgs a{table, nsteps, nchunks, (unsigned char*)work, (const unsigned char*)src, (unsigned char*)acc,
-                       mine, left, right, err, sig, count, timeout_ns, slots, slot_bytes, use_div, div, channel,
-                       channels};
+                       (unsigned char*)own, mine, left, right, err, sig, count, timeout_ns, slots, slot_bytes, use_div,
+                       div, channel, channels};
   return by_dtype(dtype, [&](auto x) {
     typedef decltype(x) T;
     if (op == 0) rc::ring_block<T, rc::OpSum>(a, (u64)place);

@@ -3,7 +3,9 @@
 // address space, so that ThreadSanitizer (-fsanitize=thread) sees every access of every rank. Runs
 // all-reduce, reduce-scatter, all-gather and one-shot all-reduce calls back to back on fresh data (the
 // step tables built here from the schedule's rule, as ringcomm.schedule and engine.bind give them; a
-// one-shot call's chunks, every rank's control block and its inbox's bytes per sender), checks each result
+// one-shot call's chunks, every rank's control block and its inbox's bytes per sender), and the
+// reduce-scatters and all-gathers whose own chunk lies in a buffer of its own ("own": the result, or
+// the shard sent and copied from there, as ringcomm.executor.step_table marks them), checks each result
 // against the ring's fold computed here element by element and across ranks, bitwise, and prints
 // "ok <calls>". With an argument "timeout", rank N-1 skips the last call: every other rank must
 // record a failure (a timeout, or an abort naming the origin) within the deadline and return.
@@ -78,14 +80,15 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
     k.ctl.assign(fifo / 8, 0);
     memset(k.err, 0, sizeof k.err);
   }
-  // every rank's inputs and results of every call
-  std::vector<std::vector<std::vector<float>>> src(calls.size()), work(calls.size());
+  // every rank's inputs and results of every call (own: its own chunk alone, where the call has one)
+  std::vector<std::vector<std::vector<float>>> src(calls.size()), work(calls.size()), own(calls.size());
   std::vector<std::vector<std::vector<long long>>> tables(calls.size());
   srand(seed);
   for (size_t i = 0; i < calls.size(); ++i) {
     const Call& c = calls[i];
     src[i].resize(n);
     work[i].resize(n);
+    own[i].resize(n);
     tables[i].resize(n);
     for (int r = 0; r < n; ++r) {
       src[i][r].resize(c.count);
@@ -98,9 +101,21 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
         t.push_back((long long)ONESHOT);
         continue;
       }
-      t = steps(c.what, n, r, false);
+      const bool ag = !strncmp(c.what, "all_gather", 10), mine = strstr(c.what, "_own") != nullptr;
+      t = steps(ag ? "all_gather" : mine ? "reduce_scatter" : c.what, n, r, false);
       t.insert(t.end(), c.bounds.begin(), c.bounds.end());
-      for (int ch = 0; ch < n; ++ch) t.push_back(!strcmp(c.what, "all_gather") && ch == r);  // all-gather's own
+      for (int ch = 0; ch < n; ++ch) t.push_back(ag && ch == r ? 1 + mine : 0);  // all-gather's own: src, or own
+      if (!mine) continue;
+      const u64 lo = (u64)c.bounds[2 * r], hi = (u64)c.bounds[2 * r + 1];
+      if (ag) {  // the shard alone: sent from own (send from 3)
+        own[i][r].assign(src[i][r].begin() + lo, src[i][r].begin() + hi);
+        for (size_t k = 0; k + 8 <= t.size() - 3 * n; k += 8)
+          if (t[k] == r) t[k + 1] = 3;
+      } else {  // the result alone: the own chunk's last reduction into own (into 1)
+        own[i][r].assign(hi - lo, -1.0f);
+        for (size_t k = 0; k + 8 <= t.size() - 3 * n; k += 8)
+          if (t[k + 2] == r) t[k + 7] = 1;
+      }
     }
   }
   std::vector<std::thread> drivers;
@@ -114,7 +129,8 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
         for (unsigned ch = 0; ch < CHANNELS; ++ch)
           blocks.emplace_back([&, ch] {
             const rc::RingArgs a{tables[i][r].data(), nsteps, n, (unsigned char*)work[i][r].data(),
-                                 (const unsigned char*)src[i][r].data(), nullptr, ranks[r].ctl.data(),
+                                 (const unsigned char*)src[i][r].data(), nullptr,
+                                 own[i][r].empty() ? nullptr : (unsigned char*)own[i][r].data(), ranks[r].ctl.data(),
                                  ranks[(r + n - 1) % n].ctl.data(), ranks[(r + 1) % n].ctl.data(), ranks[r].err,
                                  (u64)(1 + (c.what[4] << 8)), c.count, skip_last ? 300000000ull : 60000000000ull,
                                  SLOTS, SLOT_BYTES, 0, 1.0, ch, CHANNELS};
@@ -151,14 +167,16 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
         for (int j = 2; j <= n; ++j) acc = src[i][(c + j) % n][e] + acc;
         for (int r = 0; r < n; ++r) {
           float want;
+          const float* got = &work[i][r][e];
           if (!strcmp(k.what, "all_reduce") || !strcmp(k.what, "one_shot")) want = acc;
-          else if (!strcmp(k.what, "reduce_scatter")) {
-            if (r != c) continue;  // only the owner's chunk is the result
+          else if (!strncmp(k.what, "reduce_scatter", 14)) {
+            if (r != c) continue;  // only the owner's chunk is the result (in own, where the call has one)
             want = acc;
+            if (!own[i][r].empty()) got = &own[i][r][e - (u64)k.bounds[2 * c]];
           } else want = src[i][c][e];
-          if (memcmp(&want, &work[i][r][e], 4)) {
+          if (memcmp(&want, got, 4)) {
             printf("%s n=%d count=%llu (call %zu): rank %d element %llu: %g, want %g\n", k.what, n, k.count, i, r, e,
-                   work[i][r][e], want);
+                   *got, want);
             return 1;
           }
         }
@@ -188,7 +206,8 @@ int main(int argc, char** argv) {
   // report of a race costs ThreadSanitizer time, and the first calls already race)
   const bool brief = argc > 1 && !strcmp(argv[1], "short");
   int calls = 0;
-  const char* whats[] = {"all_reduce", "one_shot", "reduce_scatter", "one_shot", "all_gather"};
+  const char* whats[] = {"all_reduce",     "one_shot",   "reduce_scatter", "one_shot",
+                         "reduce_scatter_own", "all_gather", "all_gather_own"};
   for (int n = 2; n <= (brief ? 3 : 5); ++n) {
     std::vector<Call> sequence;
     const std::vector<u64> counts = brief ? std::vector<u64>{1, 333, 4099} : std::vector<u64>{0, 1, (u64)n - 1, 3, 333, 4099};

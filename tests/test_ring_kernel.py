@@ -65,7 +65,7 @@ def _run(programs, build: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_every_call_is_the_rings_fold_on_every_rank(programs):
     run = _run(programs, "plain")
-    assert run.returncode == 0 and run.stdout.startswith("ok 240"), run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.startswith("ok 336"), run.stdout + run.stderr
 
 
 def test_a_rank_that_skips_a_call_ends_in_a_recorded_failure(programs):
@@ -76,7 +76,7 @@ def test_a_rank_that_skips_a_call_ends_in_a_recorded_failure(programs):
 def test_thread_sanitizer_finds_no_race(programs):
     run = _run(programs, "tsan")
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
-    assert run.returncode == 0 and run.stdout.startswith("ok 240"), run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0 and run.stdout.startswith("ok 336"), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("build", ["no acquire", "no release"])

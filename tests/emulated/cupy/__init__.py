@@ -1319,7 +1319,7 @@ def _lib():
         lib.rc_host_widen.argtypes = [ctypes.c_int, vp, vp, u64, u64]
         lib.rc_host_misaligned.restype = u64
         i32 = ctypes.c_int
-        lib.rc_ring_block.argtypes = [i32, i32, ctypes.c_uint, ctypes.c_uint, vp, i32, i32] + [vp] * 7
+        lib.rc_ring_block.argtypes = [i32, i32, ctypes.c_uint, ctypes.c_uint, vp, i32, i32] + [vp] * 8
         lib.rc_ring_block.argtypes += [u64, u64, u64, i32, i32, u64, i32, ctypes.c_double]
         _harness = lib
     return _harness
@@ -1446,10 +1446,11 @@ class _Kernel:
         stream._enqueue(checked)
 
     def _launch_ring(self, blocks: int, vals: list, parts: list[str], touch, stream: Stream) -> None:
-        """csrc/ring.cu: every pointer checked (the control blocks over their FIFOs, the error record
-        in pinned host memory), then queued to run all its blocks at once (_Running)."""
-        table, nsteps, nchunks, work, src, acc, mine, left, right, err, sig, count, timeout = vals[:13]
-        place, slots, slot_bytes, use_div, div = vals[13:]
+        """csrc/ring.cu: every pointer checked (the control blocks over their FIFOs, ``own`` over the
+        chunk the table uses it for, the error record in pinned host memory), then queued to run all
+        its blocks at once (_Running)."""
+        table, nsteps, nchunks, work, src, acc, own, mine, left, right, err, sig, count, timeout = vals[:14]
+        place, slots, slot_bytes, use_div, div = vals[14:]
         item = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}.get(parts[3]) or int(parts[3][1:]) // 8
         touch(table, (8 * nsteps + 3 * nchunks) * 8 if nsteps >= 0 else (3 * nchunks + 1) * 8)  # (-1: one-shot)
         touch(work, count * item)
@@ -1465,10 +1466,27 @@ class _Kernel:
             raise RuntimeError(f"emulated CUDA: {self.name}: the error record {err:#x} is not pinned host memory")
         dt, op = _DT.index(parts[3]), _OPS.index(parts[2])
 
+        def own_chunks() -> None:
+            """``own`` over every chunk the table sends from, reduces into or copies from it (read when
+            the kernel runs: the table was copied in on the stream before it)."""
+            t = np.ctypeslib.as_array(
+                ctypes.cast(table, ctypes.POINTER(ctypes.c_longlong)), (8 * nsteps + 3 * nchunks,)
+            )
+            rows, bounds, copies = (
+                t[: 8 * nsteps].reshape(-1, 8),
+                t[8 * nsteps : 8 * nsteps + 2 * nchunks],
+                t[-nchunks:],
+            )
+            chunks = {int(r[0]) for r in rows if r[1] == 3} | {int(r[2]) for r in rows if r[7] == 1}
+            for c in chunks | {c for c in range(nchunks) if copies[c] == 2}:
+                touch(own, int(bounds[2 * c + 1] - bounds[2 * c]) * item)
+
         def body(block: int) -> None:
+            if own and nsteps > 0:
+                own_chunks()
             rc = _lib().rc_ring_block(
-                dt, op, block, blocks, table, nsteps, nchunks, work, src, acc, mine, left, right, err, sig, count,
-                timeout, place, slots, slot_bytes, use_div, div,
+                dt, op, block, blocks, table, nsteps, nchunks, work, src, acc, own, mine, left, right, err, sig,
+                count, timeout, place, slots, slot_bytes, use_div, div,
             )  # fmt: skip
             assert rc == 0
 
