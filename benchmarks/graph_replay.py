@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +55,26 @@ def main(argv: list[str] | None = None) -> int:
         except env.NcclLibraryError as e:
             refused = str(e)
 
+    from mpi4py import MPI
+
+    try:
+        return measure(args, impls, library, refused)
+    except Exception:
+        # a failure on some ranks would leave the others waiting in MPI: end the whole job, as ringcomm-bench does
+        traceback.print_exc()
+        sys.stderr.write(f"graph_replay: rank {MPI.COMM_WORLD.rank} failed; aborting the MPI job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+def measure(args, impls: list[str], library, refused: str) -> int:
     import cupy as cp
     import numpy as np
     from mpi4py import MPI
 
     import ringcomm
+    from ringcomm.bench import env
     from ringcomm.bench.impls import NcclImpl
     from ringcomm.bench.sizes import parse_size
 
@@ -67,30 +83,30 @@ def main(argv: list[str] | None = None) -> int:
     comm = ringcomm.Communicator(world)
     env.select_gpu(comm, cp)
     stream = cp.cuda.Stream(non_blocking=True)
-    link_note = ""
     with stream:
         comm.transport_name(cp.empty(1, cp.float32))  # (collective: the ring's transports, and the executor)
     link = comm._transport("cuda")
-    if not link.kernel:
-        link_note = link.note or f"the ring is {link.name}, not a ring kernel (RINGCOMM_TRANSPORT=kernel)"
+    link_note = "" if link.kernel or n == 1 else link.note or f"the ring is {link.name}, not a ring kernel"
     runs: dict[str, object] = {}
     notes: dict[str, str] = {}
     if "ringcomm" in impls:
         runs["ringcomm"] = lambda x, out: comm.all_reduce(x, out=out)
+    nimpl = None
     if "nccl" in impls:
-        why = refused
-        nccl, ncomm = None, None
-        if not why:
-            nccl, why = env.nccl_module()
-        if nccl is not None:
-            impl, why = NcclImpl.create(comm, cp, nccl, stream, env.ranks_per_gpu(comm, cp), env.mps_status())
-            if impl is not None:
-                ncomm = impl
-                runs["nccl"] = lambda x, out: impl.ncomm.allReduce(
-                    x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr
-                )
-        if ncomm is None:
-            notes["nccl"] = why
+        nccl, why = (None, refused) if refused else env.nccl_module()
+        if nccl is not None and library is not None:
+            why = library.mismatch(nccl)  # (CuPy's bindings must use the library named)
+            nccl = None if why else nccl
+        if env.all_true(comm, nccl is not None):  # (NcclImpl.create is collective: every rank or none)
+            nimpl, why = NcclImpl.create(comm, cp, nccl, stream, env.ranks_per_gpu(comm, cp), env.mps_status())
+        if nimpl is not None:
+            runs["nccl"] = lambda x, out: nimpl.ncomm.allReduce(
+                x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr
+            )
+        else:
+            notes["nccl"] = why or "NCCL could not run on another rank"
+    if r == 0:
+        header(args, n, library, link_note)
     rows = []
     for size in map(parse_size, args.sizes):
         count = max(size // 4, 1)
@@ -105,37 +121,41 @@ def main(argv: list[str] | None = None) -> int:
             run = runs.get(name)
             if run is None:
                 row["note"] = notes.get(name, "")
-                continue
-            calls = args.calls * args.replays
-
-            def eager(k: int, run=run, x=x, out=out) -> None:
-                with stream:
-                    for _ in range(k):
-                        run(x, out)
-
-            row["eager_us"], row["wrong"] = timed(world, stream, out, want, eager, calls, comm)
-            graph, why = capture(world, stream, lambda run=run: eager(args.calls, run))
-            if graph is None:
-                row["note"] = f"capture refused: {why}"
-                if name == "ringcomm" and link_note:
-                    row["note"] += f" ({link_note})"
-                continue
-
-            def replay(k: int, graph=graph) -> None:
-                for _ in range(k):
-                    graph.launch(stream)
-
-            row["graph_us"], wrong = timed(world, stream, out, want, replay, args.replays, comm, args.calls)
-            row["wrong"] += wrong
-    if "nccl" in runs:
-        ncomm.close()
+            else:
+                measure_row(row, run, world, stream, x, out, want, args, comm, link_note if name == "ringcomm" else "")
+            if r == 0:
+                print(line(row), flush=True)  # (as measured: a run cut short keeps its rows)
+    if nimpl is not None:
+        nimpl.close()
     comm.close()
     if r == 0:
-        report(rows, args, n, library, link_note)
+        ratios(rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"benchmark": "graph_replay", "ranks": n, "calls": args.calls, "rows": rows}, f, indent=1)
     return 0 if all(row["wrong"] == 0 for row in rows) else 1
+
+
+def measure_row(row: dict, run, world, stream, x, out, want, args, comm, link_note: str) -> None:
+    """``row``'s eager and replayed times and wrong elements (or why nothing was replayed)."""
+
+    def eager(k: int) -> None:
+        with stream:
+            for _ in range(k):
+                run(x, out)
+
+    row["eager_us"], row["wrong"] = timed(world, stream, out, want, eager, args.calls * args.replays, comm)
+    graph, why = capture(world, stream, lambda: eager(args.calls))
+    if graph is None:
+        row["note"] = f"capture refused: {why}" + (f" ({link_note})" if link_note else "")
+        return
+
+    def replay(k: int) -> None:
+        for _ in range(k):
+            graph.launch(stream)
+
+    row["graph_us"], wrong = timed(world, stream, out, want, replay, args.replays, comm, args.calls)
+    row["wrong"] += wrong
 
 
 def timed(world, stream, out, want, loop, k: int, comm, per: int = 1) -> tuple[float, int]:
@@ -182,7 +202,7 @@ def capture(world, stream, calls) -> tuple[object | None, str]:
     return (graph, "") if not whys else (None, whys[0])
 
 
-def report(rows: list[dict], args, n: int, library, link_note: str) -> None:
+def header(args, n: int, library, link_note: str) -> None:
     lib = f"; NCCL library {library.path} ({library.version})" if library is not None else ""
     print(
         f"# CUDA graph replay: all_reduce float32 sum out of place, {n} ranks, {args.calls} calls per graph, "
@@ -190,23 +210,26 @@ def report(rows: list[dict], args, n: int, library, link_note: str) -> None:
     )
     if link_note:
         print(f"# Ring kernel: {link_note}")
-    print(f"{'bytes':>9} {'impl':>9} {'eager us':>9} {'graph us':>9} {'#wrong':>6}  note")
+    print(f"{'bytes':>9} {'impl':>9} {'eager us':>9} {'graph us':>9} {'#wrong':>6}  note", flush=True)
+
+
+def line(row: dict) -> str:
     fmt = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"  # noqa: E731
-    for row in rows:
-        print(
-            f"{row['bytes']:9d} {row['impl']:>9} {fmt(row['eager_us'])} {fmt(row['graph_us'])} {row['wrong']:6d}"
-            f"  {row['note']}"
-        )
+    times = f"{fmt(row['eager_us'])} {fmt(row['graph_us'])}"
+    return f"{row['bytes']:9d} {row['impl']:>9} {times} {row['wrong']:6d}  {row['note']}"
+
+
+def ratios(rows: list[dict]) -> None:
+    """NCCL's replayed time / ringcomm's, per size where both were replayed."""
     by = {(row["bytes"], row["impl"]): row for row in rows}
     pairs = [(b, by[b, "ringcomm"], by.get((b, "nccl"))) for b, i in by if i == "ringcomm"]
-    ratios = [
-        f"{b} B {nc[key] / rc[key]:.2f}x"
+    found = [
+        f"{b} B {nc['graph_us'] / rc['graph_us']:.2f}x"
         for b, rc, nc in pairs
-        for key in ("graph_us",)
-        if nc is not None and rc[key] and nc[key]
+        if nc and rc["graph_us"] and nc["graph_us"]
     ]
-    if ratios:
-        print("# NCCL's time / ringcomm's, replayed: " + ", ".join(ratios))
+    if found:
+        print("# NCCL's time / ringcomm's, replayed: " + ", ".join(found))
 
 
 if __name__ == "__main__":

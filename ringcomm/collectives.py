@@ -45,21 +45,22 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
     device = comm._device(kind, run_on)
     if kind != "host" and comm.size > 1 and device.stream.is_capturing():
-        _capturable(comm, kind, name)
+        _capturable(comm, kind, name, device.device_id)
     return kind, flat(a, name), device
 
 
-def _capturable(comm: Any, kind: str, name: str) -> None:
+def _capturable(comm: Any, kind: str, name: str, device_id: int) -> None:
     """Raise RuntimeError unless a call on ``kind`` arrays can be captured in a CUDA graph: only a
     ring kernel's (one launch; the host-driven transports wait on the host between steps, which a
-    capture refuses), and only once the ring's transports are set up (a collective set-up that
-    synchronises the GPU: before the capture, as for NCCL's communicators)."""
+    capture refuses), and only once the ring's transports and its executor on GPU ``device_id`` are
+    set up (a collective set-up that synchronises the GPU: before the capture, as for NCCL's
+    communicators)."""
     link = comm._transports.get(kind)
-    if link is None:
+    if link is None or link.kernel and device_id not in comm._executors:
         raise RuntimeError(
             f"{name}: its stream is capturing a CUDA graph, but this communicator has not set up its GPU "
-            "transports yet (a collective set-up that synchronises the GPU): make one GPU call, or "
-            "comm.transport_name(array), on every rank before the capture"
+            f"transports (or its ring kernel on GPU {device_id}) yet, a collective set-up that synchronises the "
+            "GPU: make one GPU call on that GPU on every rank before the capture"
         )
     if not link.kernel:
         why = link.note or f"its transport is {link.name}, which waits on the host between steps"

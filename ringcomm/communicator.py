@@ -659,6 +659,7 @@ class Communicator:
             nsteps = 1 if ex.one_shot(ctx, bounds) else len(steps)
             self._launch(ctx, count, root, agreed, algorithm, link, nsteps, run, *args)
         else:
+            assert own is None, "own: a ring kernel's only"
             args = (steps, bounds, work, src, link, result_chunks)
             self._launch(ctx, count, root, agreed, _schedule_name(ctx), link, len(steps), execute, *args)
         if ctx.wide:

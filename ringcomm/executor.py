@@ -165,6 +165,10 @@ def step_table(
     the chunk reads it there, and it is copied from there into work at the end: 3 and 2); "out", a
     reduce-scatter's result (the step that receives the chunk, its last reduction, writes it there: into 1)."""
     bound, written = bind(steps, len(bounds), in_place, wide)
+    if own is not None:  # (an all-gather's shard is never a float32 partial sum; the result is the final reduction)
+        chunk, way = own
+        assert way == "out" or (way == "in" and not wide), own
+        assert way == "in" or all(st.final for st in steps if st.recv == chunk), own
     rows = [
         (
             -1 if st.send is None else st.send,

@@ -13,6 +13,7 @@
 
 #include "../csrc/ring.cu"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -107,8 +108,9 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
       for (int ch = 0; ch < n; ++ch) t.push_back(ag && ch == r ? 1 + mine : 0);  // all-gather's own: src, or own
       if (!mine) continue;
       const u64 lo = (u64)c.bounds[2 * r], hi = (u64)c.bounds[2 * r + 1];
-      if (ag) {  // the shard alone: sent from own (send from 3)
+      if (ag) {  // the shard alone: sent from own (send from 3), src's copy of it poisoned (read from own only)
         own[i][r].assign(src[i][r].begin() + lo, src[i][r].begin() + hi);
+        std::fill(src[i][r].begin() + lo, src[i][r].begin() + hi, -9999.0f);
         for (size_t k = 0; k + 8 <= t.size() - 3 * n; k += 8)
           if (t[k] == r) t[k + 1] = 3;
       } else {  // the result alone: the own chunk's last reduction into own (into 1)
@@ -173,7 +175,7 @@ int run(int n, const std::vector<Call>& calls, unsigned seed, bool skip_last) {
             if (r != c) continue;  // only the owner's chunk is the result (in own, where the call has one)
             want = acc;
             if (!own[i][r].empty()) got = &own[i][r][e - (u64)k.bounds[2 * c]];
-          } else want = src[i][c][e];
+          } else want = strstr(k.what, "_own") ? own[i][c][e - (u64)k.bounds[2 * c]] : src[i][c][e];
           if (memcmp(&want, got, 4)) {
             printf("%s n=%d count=%llu (call %zu): rank %d element %llu: %g, want %g\n", k.what, n, k.count, i, r, e,
                    *got, want);

@@ -266,9 +266,9 @@ _retired: list[tuple[Any, LastUse]] = []
 class CudaDevice:
     """Reduce and copy GPU arrays with ringcomm's kernels, queued on ``stream``.
 
-    ``stream``: a ``cupy.cuda.Stream`` (or anything with ``.ptr`` and ``.synchronize()``, such as
-    ``cupy.cuda.ExternalStream``); default: CuPy's current stream. Nothing here blocks the host
-    except :meth:`synchronize`.
+    ``stream``: a ``cupy.cuda.Stream`` (or anything with ``.ptr``, ``.synchronize()`` and
+    ``.is_capturing()``, such as ``cupy.cuda.ExternalStream``); default: CuPy's current stream.
+    Nothing here blocks the host except :meth:`synchronize`.
     """
 
     name = "cuda"

@@ -367,6 +367,34 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     comm.check_errors()
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_reduce_scatter_into_its_own_chunk_of_x():
+    """reduce_scatter(x, out=x[lo:hi]) on every transport: the result lands in x's own chunk (a ring
+    kernel's last reduction writes it there while reading that chunk of x, element by element),
+    bitwise the host path's (sum, avg, float16 with accumulate="float32"), and the rest of x is unchanged."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    r = mpi.rank
+    rng = np.random.default_rng([shared_seed(mpi), r])
+    hostcomm = make_comm(small_bytes=0)
+    for transport in transports():
+        comm = comm_with(transport, small_bytes=0)
+        for dtype, op, acc in ((np.float32, "sum", None), (np.float32, "avg", None), (np.float16, "sum", "float32")):
+            count = 16 * mpi.size * 7 + 5
+            lo, hi = comm.shard_bounds(count)[r]
+            x = (rng.standard_normal(count) * 10).astype(dtype)
+            want = hostcomm.reduce_scatter(x.copy(), op, accumulate=acc)
+            xd = cupy.asarray(x)
+            got = comm.reduce_scatter(xd, op, out=xd[lo:hi], accumulate=acc)
+            what = f"{transport} {np.dtype(dtype)} {op}"
+            assert host(got).tobytes() == want.tobytes(), what
+            rest = host(xd)
+            assert rest[:lo].tobytes() == x[:lo].tobytes() and rest[hi:].tobytes() == x[hi:].tobytes(), what
+        comm.check_errors()
+        comm.close()
+    hostcomm.close()
+
+
 @pytest.mark.parallel(nprocs=[2])
 def test_a_capture_on_a_host_driven_ring_is_refused_before_any_communication():
     """A collective on a capturing stream where the ring waits on the host between steps (ipc), or

@@ -528,17 +528,26 @@ class _Running:
     executor). As on a GPU, it starts when its stream reaches it, whether or not the host waits
     (the progress thread runs its stream), every block at once, each
     on a thread of its own (a spinning block never holds up another, as with co-resident blocks);
-    the stream's later work runs once every block has returned. ``body(block)`` runs one block."""
+    the stream's later work runs once every block has returned. ``body(block)`` runs one block;
+    ``check()``, when given, first (an illegal address it finds ends the kernel before any block runs)."""
 
     eager = True  # (the progress thread runs its stream up to it)
 
-    def __init__(self, blocks: int, body, done) -> None:
-        self.blocks, self.body, self.done = blocks, body, done
+    def __init__(self, blocks: int, body, done, check=None) -> None:
+        self.blocks, self.body, self.done, self.check = blocks, body, done, check
         self.threads: list[threading.Thread] | None = None
         self.errors: list[str] = []
         self.ran = False
 
     def start(self) -> None:
+        if self.check is not None:
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - reported at the next synchronize
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self.threads = []
+                return
+
         def block(b: int) -> None:
             try:
                 self.body(b)
@@ -1468,7 +1477,7 @@ class _Kernel:
 
         def own_chunks() -> None:
             """``own`` over every chunk the table sends from, reduces into or copies from it (read when
-            the kernel runs: the table was copied in on the stream before it)."""
+            the kernel starts: the table was copied in on the stream before it)."""
             t = np.ctypeslib.as_array(
                 ctypes.cast(table, ctypes.POINTER(ctypes.c_longlong)), (8 * nsteps + 3 * nchunks,)
             )
@@ -1479,11 +1488,10 @@ class _Kernel:
             )
             chunks = {int(r[0]) for r in rows if r[1] == 3} | {int(r[2]) for r in rows if r[7] == 1}
             for c in chunks | {c for c in range(nchunks) if copies[c] == 2}:
-                touch(own, int(bounds[2 * c + 1] - bounds[2 * c]) * item)
+                if bounds[2 * c + 1] > bounds[2 * c]:
+                    touch(own, int(bounds[2 * c + 1] - bounds[2 * c]) * item)
 
         def body(block: int) -> None:
-            if own and nsteps > 0:
-                own_chunks()
             rc = _lib().rc_ring_block(
                 dt, op, block, blocks, table, nsteps, nchunks, work, src, acc, own, mine, left, right, err, sig,
                 count, timeout, place, slots, slot_bytes, use_div, div,
@@ -1497,7 +1505,7 @@ class _Kernel:
             if bad:
                 raise RuntimeError(f"emulated CUDA: {self.name} made {bad} misaligned vector accesses")
 
-        stream._enqueue(_Running(blocks, body, done))
+        stream._enqueue(_Running(blocks, body, done, own_chunks if nsteps > 0 else None))
 
 
 class RawModule:
