@@ -484,7 +484,7 @@ if os.path.exists(bj):
             print(f"  {size:>10} " + " ".join(f"{c:>17}" for c in cells))
     wrong = sum(g.get("wrong") or 0 for r in doc["rows"] for g in r["results"].values())
     print(f"  wrong elements over every row: {wrong}")
-cols, table, wrong = [], {}, 0
+cols, table, times, wrong = [], {}, {}, 0
 for n in (2, 4):
     for t in ("ipc", "kernel", "kernel-ring"):
         path = os.path.join(out, f"bench_{t}_n{n}.json")
@@ -499,6 +499,7 @@ for n in (2, 4):
             g = r["results"]["out-of-place"]
             if g.get("time_us") is not None:
                 table.setdefault(r["size"], {})[name] = f"{g['time_us']:.1f} ({g.get('busbw') or 0:.1f})"
+                times[name, r["size"]] = g["time_us"]
             wrong += sum(x.get("wrong") or 0 for x in r["results"].values())
 if cols:
     print("all_reduce us per call out-of-place (busbw GB/s), ranks sharing the one GPU (ringcomm over ipc, as one "
@@ -507,6 +508,15 @@ if cols:
     for size in sorted(table):
         print(f"  {size:>10} " + " ".join(f"{table[size].get(c, '-'):>18}" for c in cols))
     print(f"  wrong elements over these rows: {wrong}")
+    for n in (2, 4):  # the issue's target: at least 1.0x at every size
+        nccl = next((c for c in cols if c.startswith(f"N={n} nccl")), None)
+        ratios = [
+            f"{size} {times[nccl, size] / times[f'N={n} kernel', size]:.2f}x"
+            for size in sorted(table)
+            if nccl and (nccl, size) in times and (f"N={n} kernel", size) in times
+        ]
+        if ratios:
+            print(f"  N={n}, NCCL's time / the ring kernel's (target >= 1.0 at every size): " + ", ".join(ratios))
 gr = os.path.join(out, "graph_replay.txt")
 if os.path.exists(gr):
     print("CUDA graph replay (benchmarks/graph_replay.py), us per call:")
