@@ -760,8 +760,9 @@ class Graph:
 
     def launch(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else get_current_stream()
-        for node in self._nodes:
-            stream._enqueue(_Running(node.blocks, node.body, node.done) if isinstance(node, _Running) else node)
+        for node in self._nodes:  # (a ring kernel: a new run of its blocks, with its checks)
+            again = isinstance(node, _Running)
+            stream._enqueue(_Running(node.blocks, node.body, node.done, node.check) if again else node)
 
 
 Stream.null = Stream(null=True)
