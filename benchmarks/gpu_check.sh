@@ -73,7 +73,8 @@ BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 # and two NCCL communicators' start) and the NCCL rows the two bench steps now measure (an NCCL start per run, and
 # each row's check of up to 1 GiB) took their seconds from the steps with the most room. The graph replay (2 ranks:
 # Python, CuPy and NCCL's start, then 8 rows of 1000 eager and 1000 replayed calls, each under 0.1 s on a GPU) took
-# 25 s from the one-kernel bench and the N = 2 tests, an estimate too.
+# 25 s from the one-kernel bench and the N = 2 tests, an estimate too; the host cost's five collectives at N = 2
+# (30 rows of about 220 calls) 8 s more, from the one-kernel bench and the N = 3, 4 tests.
 PLAN=(
     "setup 15"
     "nccl smoke 20"
@@ -82,11 +83,11 @@ PLAN=(
     "tests N=2 80"
     "kernel bench 13"
     "allreduce ipc vs staged 13"
-    "gpu host cost 12"
+    "gpu host cost 20"
     "ringcomm-bench 30"
-    "one-kernel bench 85"
+    "one-kernel bench 81"
     "graph replay 25"
-    "tests N=3,4 67"
+    "tests N=3,4 63"
     "zero GPU tests 10"
 )
 declare -A LIMIT=()
@@ -379,6 +380,7 @@ step "kernel bench" $PY benchmarks/kernel_bench.py --json "$OUTDIR/kernel_bench.
 step "allreduce ipc vs staged" mpiexec -n 2 $PY benchmarks/allreduce_transports.py --mib 1024 \
     --transports ipc staged --iters 5 --json "$OUTDIR/allreduce_transports.json"
 step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --transports ipc kernel --iters 50 \
+    --collectives all_reduce reduce_scatter all_gather broadcast reduce \
     --json '$OUTDIR/gpu_host_cost.json' && mpiexec -n 4 $PY benchmarks/gpu_host_cost.py --transports ipc kernel \
     --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 

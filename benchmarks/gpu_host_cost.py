@@ -1,10 +1,12 @@
-"""Where a GPU all-reduce's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
+"""Where a GPU collective's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
 
-    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged kernel]
+    mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged kernel] [--collectives all_reduce ...]
                                                      [--sizes 8 64K 1M] [--iters 200] [--top K] [--json out.json]
 
-For each transport (RINGCOMM_TRANSPORT, one Communicator each) and size: a float32 all-reduce out of
-place, called back to back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
+For each transport (RINGCOMM_TRANSPORT, one Communicator each), size and collective (``--collectives``:
+all_reduce by default, or any of all_reduce, reduce_scatter, all_gather, broadcast, reduce): a float32 call
+out of place (broadcast: in place; the root rank 0; the size is the whole buffer's), called back to
+back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
 ``us/call`` is the slowest rank's mean wall time per call. ``in call``: the slowest rank's mean time
 inside the call itself, each call made on an idle stream (synchronized after it, outside the timing): the
 host time a call costs (all of it where the call waits for the GPU; the checks and the launch alone where
@@ -116,6 +118,7 @@ def top(stats: pstats.Stats, k: int, calls: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transports", nargs="+", default=["ipc", "staged", "kernel"])
+    p.add_argument("--collectives", nargs="+", default=["all_reduce"], choices=sorted(CALLS))
     p.add_argument("--sizes", nargs="+", default=["8", "64K", "1M"], help="buffer sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--top", type=int, default=0, metavar="K", help="list rank 0's K functions of most own time")
@@ -127,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     import ringcomm
-    from ringcomm import schedule
     from ringcomm.bench.sizes import parse_size
 
     world = MPI.COMM_WORLD
@@ -139,20 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.transports:
         os.environ["RINGCOMM_TRANSPORT"] = name  # read when the communicator first picks a GPU transport
         comm = ringcomm.Communicator(world)
-        for size in map(parse_size, args.sizes):
+        for size, collective in ((s, c) for s in map(parse_size, args.sizes) for c in args.collectives):
             count = max(size // 4, 1)
-            base = (np.arange(count) % 7).astype(np.float32)
-            x = cp.asarray(base + r)
-            out = cp.empty_like(x)
-            ran = comm.transport_name(x)
-            algorithm = "via host" if comm._via_host("cuda", x.nbytes) else "ring"  # (collectives.all_reduce's rule)
+            call, wrongs, steps = CALLS[collective](comm, cp, np, count)
+            ran = comm.transport_name(cp.empty(1, cp.float32))
+            algorithm = "via host" if comm._via_host("cuda", count * 4) else "ring"  # (the collectives' rule)
             if n > 1 and comm._transport("cuda").kernel:
                 algorithm = "one kernel"
-            steps = 1 if algorithm == "via host" else len(schedule.all_reduce(n, comm.position))
+            steps = 1 if algorithm == "via host" else steps
 
-            def loop(calls: int) -> None:
+            def loop(calls: int, call=call) -> None:
                 for _ in range(calls):
-                    comm.all_reduce(x, out=out)
+                    call()
                 stream.synchronize()
 
             loop(20)
@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             inside = 0.0  # the host's time in the call itself, the GPU idle when it starts
             for _ in range(args.iters):
                 t1 = time.perf_counter()
-                comm.all_reduce(x, out=out)
+                call()
                 inside += time.perf_counter() - t1
                 stream.synchronize()
             in_call = world.allreduce(inside, op=MPI.MAX) / args.iters
-            python = python_alone(comm, x, out, args.iters) if algorithm == "one kernel" else 0.0
+            python = python_alone(comm, call, args.iters) if algorithm == "one kernel" else 0.0
             python = world.allreduce(python, op=MPI.MAX)
-            wrong = int(world.allreduce(int((cp.asnumpy(out) != n * base + n * (n - 1) // 2).sum()), op=MPI.SUM))
+            wrong = int(world.allreduce(wrongs(), op=MPI.SUM))
             world.Barrier()
             prof = cProfile.Profile()
             prof.enable()
@@ -182,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 {
                     "transport": name,
+                    "collective": collective,
                     "ran": ran,
                     "ranks": n,
-                    "bytes": x.nbytes,
+                    "bytes": count * 4,
                     "steps": steps,
                     "algorithm": algorithm,
                     "us_per_call": per_call * 1e6,
@@ -201,17 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ["RINGCOMM_TRANSPORT"]
     if r == 0:
         print(
-            f"# GPU all_reduce host time, float32 out of place, {n} ranks, {args.iters} calls; "
+            f"# GPU host time of {', '.join(args.collectives)}, float32, {n} ranks, {args.iters} calls; "
             f"per side: rank 0's profiled share of the call (us per step)"
         )
         head = (
-            f"{'transport':>10} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} {'us/call':>9} {'in call':>8}"
+            f"{'transport':>10} {'collective':>14} {'ran':>10} {'bytes':>9} {'algorithm':>11} {'steps':>5} "
+            f"{'us/call':>9} {'in call':>8}"
             f" {'python':>7} {'us/step':>8}"
         )
         print(head + "".join(f" {k:>8}" for k in SIDES) + f" {'wrong':>6}")
         for row in rows:
             print(
-                f"{row['transport']:>10} {row['ran']:>10} {row['bytes']:9d} {row['algorithm']:>11} {row['steps']:5d} "
+                f"{row['transport']:>10} {row['collective']:>14} {row['ran']:>10} {row['bytes']:9d} "
+                f"{row['algorithm']:>11} {row['steps']:5d} "
                 f"{row['us_per_call']:9.1f} {row['host_us_per_call']:8.1f} "
                 + (f"{row['python_us_per_call']:7.1f}" if row["python_us_per_call"] else f"{'-':>7}")
                 + f" {row['us_per_step']:8.1f}"
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(row["wrong"] == 0 for row in rows) else 1
 
 
-def python_alone(comm, x, out, calls: int) -> float:
+def python_alone(comm, call, calls: int) -> float:
     """Seconds per call of ringcomm's own Python on a kernel ring (and CuPy's stream and device
     queries): ``calls`` calls with the kernel launch and the event wait and record made no-ops. No
     rank launches these calls' kernels, so the ring's epochs in device memory stay in step."""
@@ -234,17 +237,75 @@ def python_alone(comm, x, out, calls: int) -> float:
 
     ex = next(iter(comm._executors.values()))
     kept, after, record = dict(ex.calls), CudaDevice.after, CudaDevice.record
-    for key, call in kept.items():  # (call = steps, kernel, arguments, bytes, table)
-        ex.calls[key] = (call[0], lambda *args, **kw: None, *call[2:])
+    for key, kind in kept.items():  # (a kind of call: steps, kernel, arguments, bytes, table)
+        ex.calls[key] = (kind[0], lambda *args, **kw: None, *kind[2:])
     CudaDevice.after, CudaDevice.record = (lambda self, last: None), (lambda self, last: last)
     try:
         t0 = time.perf_counter()
         for _ in range(calls):
-            comm.all_reduce(x, out=out)
+            call()
         return (time.perf_counter() - t0) / calls
     finally:
         ex.calls.update(kept)
         CudaDevice.after, CudaDevice.record = after, record
+
+
+def _all_reduce(comm, cp, np, count: int):
+    """(the call, its wrong elements on this rank once it ran, the ring's steps) of each collective:
+    every rank's input is (i % 7) + rank, so every result is exact in float32."""
+    n, r = comm.size, comm.rank
+    base = (np.arange(count) % 7).astype(np.float32)
+    x, out = cp.asarray(base + r), cp.empty(count, cp.float32)
+    want = n * base + n * (n - 1) // 2
+    return lambda: comm.all_reduce(x, out=out), lambda: int((cp.asnumpy(out) != want).sum()), 2 * (n - 1)
+
+
+def _reduce_scatter(comm, cp, np, count: int):
+    n, r = comm.size, comm.rank
+    base = (np.arange(count) % 7).astype(np.float32)
+    lo, hi = comm.shard_bounds(count)[r]
+    x, out = cp.asarray(base + r), cp.empty(hi - lo, cp.float32)
+    want = (n * base + n * (n - 1) // 2)[lo:hi]
+    return lambda: comm.reduce_scatter(x, out=out), lambda: int((cp.asnumpy(out) != want).sum()), n - 1
+
+
+def _all_gather(comm, cp, np, count: int):
+    n, r = comm.size, comm.rank
+    base = (np.arange(count) % 7).astype(np.float32)
+    bounds = comm.shard_bounds(count)
+    lo, hi = bounds[r]
+    shard, out = cp.asarray(base[lo:hi] + r), cp.empty(count, cp.float32)
+    want = np.concatenate([base[a:b] + k for k, (a, b) in enumerate(bounds)])
+    return lambda: comm.all_gather(shard, out=out), lambda: int((cp.asnumpy(out) != want).sum()), n - 1
+
+
+def _broadcast(comm, cp, np, count: int):
+    base = (np.arange(count) % 7).astype(np.float32)
+    x = cp.asarray(base + comm.rank)
+    return lambda: comm.broadcast(x, root=0), lambda: int((cp.asnumpy(x) != base).sum()), comm.size - 1
+
+
+def _reduce(comm, cp, np, count: int):
+    n, r = comm.size, comm.rank
+    base = (np.arange(count) % 7).astype(np.float32)
+    x, out = cp.asarray(base + r), cp.empty(count, cp.float32) if r == 0 else None
+    want = n * base + n * (n - 1) // 2
+    return (
+        lambda: comm.reduce(x, root=0, out=out),
+        lambda: 0 if out is None else int((cp.asnumpy(out) != want).sum()),
+        n - 1,
+    )
+
+
+#: per collective: (call, wrong elements, steps) for a communicator and a count (the chain's steps of
+#: broadcast and reduce counted as N - 1: one per place, whatever its pieces)
+CALLS = {
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+    "all_gather": _all_gather,
+    "broadcast": _broadcast,
+    "reduce": _reduce,
+}
 
 
 if __name__ == "__main__":

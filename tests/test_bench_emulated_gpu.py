@@ -579,23 +579,22 @@ def test_ring_kernel_is_a_header_line_saying_its_one_shot_crossover_or_why_not(g
 
 @emulated_gpu
 def test_gpu_host_cost_measures_every_transport_and_ringcomms_python_on_a_kernel_ring(gpu_env, tmp_path):
-    """benchmarks/gpu_host_cost.py at N = 2: a row per transport and size, every result checked
-    (wrong 0), and on the kernel ring the time of ringcomm's Python alone (the launch a no-op)."""
+    """benchmarks/gpu_host_cost.py at N = 2: a row per transport, size and collective, every result
+    checked (wrong 0), and on the kernel ring the time of ringcomm's Python alone (the launch a no-op)."""
     path = tmp_path / "cost.json"
     cmd = ["mpiexec", "-n", "2", "python", "benchmarks/gpu_host_cost.py", "--transports", "ipc", "kernel"]
     cmd += ["--sizes", "8", "64K", "--iters", "5", "--json", str(path)]
+    cmd += ["--collectives", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
     run = run_emulated(gpu_env, cmd, 240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["transport"], r["ran"], r["bytes"]) for r in rows] == [
-        ("ipc", "ipc", 8),
-        ("ipc", "ipc", 65536),
-        ("kernel", "kernel", 8),
-        ("kernel", "kernel", 65536),
+    collectives = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+    assert [(r["transport"], r["ran"], r["bytes"], r["collective"]) for r in rows] == [
+        (t, t, size, c) for t in ("ipc", "kernel") for size in (8, 65536) for c in collectives
     ]
     assert all(r["wrong"] == 0 and r["us_per_call"] > 0 and r["host_us_per_call"] > 0 for r in rows), rows
-    assert [r["algorithm"] for r in rows[2:]] == ["one kernel"] * 2
-    assert all(r["python_us_per_call"] > 0 for r in rows[2:]) and all(r["python_us_per_call"] == 0 for r in rows[:2])
+    assert [r["algorithm"] for r in rows] == ["via host"] * 10 + ["one kernel"] * 10
+    assert all(r["python_us_per_call"] > 0 for r in rows[10:]) and all(r["python_us_per_call"] == 0 for r in rows[:10])
     assert "python" in run.stdout.splitlines()[1], run.stdout
 
 
