@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         comm = ringcomm.Communicator(world)
         for size, collective in ((s, c) for s in map(parse_size, args.sizes) for c in args.collectives):
             count = max(size // 4, 1)
-            call, wrongs, steps = CALLS[collective](comm, cp, np, count)
+            base = (np.arange(count) % 7).astype(np.float32)
+            call, wrongs, steps = CALLS[collective](comm, cp, base, n * base + n * (n - 1) // 2)
             ran = comm.transport_name(cp.empty(1, cp.float32))
             algorithm = "via host" if comm._via_host("cuda", count * 4) else "ring"  # (the collectives' rule)
             if n > 1 and comm._transport("cuda").kernel:
@@ -250,51 +251,40 @@ def python_alone(comm, call, calls: int) -> float:
         CudaDevice.after, CudaDevice.record = after, record
 
 
-def _all_reduce(comm, cp, np, count: int):
+def _all_reduce(comm, cp, base, total):
     """(the call, its wrong elements on this rank once it ran, the ring's steps) of each collective:
-    every rank's input is (i % 7) + rank, so every result is exact in float32."""
-    n, r = comm.size, comm.rank
-    base = (np.arange(count) % 7).astype(np.float32)
-    x, out = cp.asarray(base + r), cp.empty(count, cp.float32)
-    want = n * base + n * (n - 1) // 2
-    return lambda: comm.all_reduce(x, out=out), lambda: int((cp.asnumpy(out) != want).sum()), 2 * (n - 1)
+    every rank's input is ``base`` + its rank (``base``: i % 7, float32), so every result is exact,
+    ``total`` the sum over the ranks."""
+    x, out = cp.asarray(base + comm.rank), cp.empty(base.size, cp.float32)
+    return lambda: comm.all_reduce(x, out=out), lambda: int((cp.asnumpy(out) != total).sum()), 2 * (comm.size - 1)
 
 
-def _reduce_scatter(comm, cp, np, count: int):
-    n, r = comm.size, comm.rank
-    base = (np.arange(count) % 7).astype(np.float32)
-    lo, hi = comm.shard_bounds(count)[r]
-    x, out = cp.asarray(base + r), cp.empty(hi - lo, cp.float32)
-    want = (n * base + n * (n - 1) // 2)[lo:hi]
-    return lambda: comm.reduce_scatter(x, out=out), lambda: int((cp.asnumpy(out) != want).sum()), n - 1
+def _reduce_scatter(comm, cp, base, total):
+    lo, hi = comm.shard_bounds(base.size)[comm.rank]
+    x, out = cp.asarray(base + comm.rank), cp.empty(hi - lo, cp.float32)
+    return lambda: comm.reduce_scatter(x, out=out), lambda: int((cp.asnumpy(out) != total[lo:hi]).sum()), comm.size - 1
 
 
-def _all_gather(comm, cp, np, count: int):
-    n, r = comm.size, comm.rank
-    base = (np.arange(count) % 7).astype(np.float32)
-    bounds = comm.shard_bounds(count)
-    lo, hi = bounds[r]
-    shard, out = cp.asarray(base[lo:hi] + r), cp.empty(count, cp.float32)
-    want = np.concatenate([base[a:b] + k for k, (a, b) in enumerate(bounds)])
-    return lambda: comm.all_gather(shard, out=out), lambda: int((cp.asnumpy(out) != want).sum()), n - 1
+def _all_gather(comm, cp, base, total):
+    bounds = comm.shard_bounds(base.size)
+    lo, hi = bounds[comm.rank]
+    shard, out = cp.asarray(base[lo:hi] + comm.rank), cp.empty(base.size, cp.float32)
+    want = base.copy()
+    for k, (a, b) in enumerate(bounds):
+        want[a:b] += k
+    return lambda: comm.all_gather(shard, out=out), lambda: int((cp.asnumpy(out) != want).sum()), comm.size - 1
 
 
-def _broadcast(comm, cp, np, count: int):
-    base = (np.arange(count) % 7).astype(np.float32)
+def _broadcast(comm, cp, base, total):
     x = cp.asarray(base + comm.rank)
     return lambda: comm.broadcast(x, root=0), lambda: int((cp.asnumpy(x) != base).sum()), comm.size - 1
 
 
-def _reduce(comm, cp, np, count: int):
-    n, r = comm.size, comm.rank
-    base = (np.arange(count) % 7).astype(np.float32)
-    x, out = cp.asarray(base + r), cp.empty(count, cp.float32) if r == 0 else None
-    want = n * base + n * (n - 1) // 2
-    return (
-        lambda: comm.reduce(x, root=0, out=out),
-        lambda: 0 if out is None else int((cp.asnumpy(out) != want).sum()),
-        n - 1,
-    )
+def _reduce(comm, cp, base, total):
+    x = cp.asarray(base + comm.rank)
+    out = cp.empty(base.size, cp.float32) if comm.rank == 0 else None
+    wrong = lambda: 0 if out is None else int((cp.asnumpy(out) != total).sum())  # noqa: E731
+    return lambda: comm.reduce(x, root=0, out=out), wrong, comm.size - 1
 
 
 #: per collective: (call, wrong elements, steps) for a communicator and a count (the chain's steps of

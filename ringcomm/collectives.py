@@ -384,7 +384,7 @@ def reduce_scatter(
         # lies apart from x or is x's own chunk (read by that last reduction alone, element by element)
         kernel = kind != "host" and comm._transport(kind).kernel
         into = kernel and (relation(result, src) == "apart" or relation(result, src[lo:hi]) == "same")
-        own = (result, comm.position, "out") if into else None
+        own = (result, "out") if into else None
         comm._run(ctx, kind, src.size, steps, chunks, work, src, result_chunks=[comm.position], own=own)
         if own is None:
             device.copy(result, work[lo:hi])
@@ -445,7 +445,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         _through_host(comm, ctx, count, src, lo, work, lambda stage: all_gather(comm, stage[lo:hi], out=stage))
         return out
     # a ring kernel sends this rank's shard from where it lies, and copies it into out (one launch)
-    own = (src, comm.position, "in") if place != "same" and kind != "host" and comm._transport(kind).kernel else None
+    own = (src, "in") if place != "same" and kind != "host" and comm._transport(kind).kernel else None
     if place != "same" and own is None:
         device.copy(mine, src)
     steps = schedule.all_gather(n, comm.position)

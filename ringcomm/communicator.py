@@ -622,8 +622,8 @@ class Communicator:
         (accumulate="float32" on a half type) the partial sums live in :meth:`_partial_sums`
         (``ctx.acc``) for the call, and the engine's loop runs. GPU arrays on a ring whose every edge
         is "kernel" (RINGCOMM_TRANSPORT=kernel) run as one kernel (ringcomm.executor) instead of the
-        engine's loop; ``own`` (a kernel ring's only: executor.step_table's) puts one chunk in an array
-        of its own, so that the collective queues no copy around the kernel."""
+        engine's loop; ``own`` (a kernel ring's only: executor.RingExecutor.run's) puts this rank's chunk
+        in an array of its own, so that the collective queues no copy around the kernel."""
         link = self._transport(kind)
         if ctx.wide:
             ctx.acc = self._partial_sums(kind, ctx.device, count)

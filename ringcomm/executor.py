@@ -344,8 +344,8 @@ class RingExecutor:
         own: tuple | None = None,
     ) -> int:
         """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent.
-        ``own``: None, or (array, chunk, way): :func:`step_table`'s ``own``, in that array."""
-        way = None if own is None else own[1:]
+        ``own``: None, or (array, way): this rank's chunk in that array, :func:`step_table`'s ``own``."""
+        way = None if own is None else (self.comm.position, own[1])
         key = self.key(ctx, steps, bounds, work is src, result_chunks, way)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:

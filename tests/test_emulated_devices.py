@@ -328,15 +328,6 @@ def _gated_ring_kernel(emu, stream):
     return started, gate, finished
 
 
-def _until(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.001)
-    return True
-
-
 def test_a_ring_kernel_runs_without_the_host_and_holds_its_stream(emu, harness):
     """As on a GPU, a stream whose queue holds a ring kernel runs up to it without any host wait
     (the work before it included); queries never block while its blocks run; the work queued after
@@ -354,7 +345,7 @@ def test_a_ring_kernel_runs_without_the_host_and_holds_its_stream(emu, harness):
     t0 = time.monotonic()
     assert [s.done for _ in range(5)] == [False] * 5 and time.monotonic() - t0 < 1  # queries never block
     gate.set()
-    assert _until(finished.is_set), "the ring kernel's stream did not go on once its block returned"
+    assert finished.wait(10), "the ring kernel's stream did not go on once its block returned"
     time.sleep(0.1)
     assert emu._emulated_kernels_run() == 1  # after the last ring kernel, and the other stream: lazy
     s.synchronize()
