@@ -24,6 +24,9 @@ from .ops import AVG, HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate,
 _debug, DEBUG = logging.getLogger("ringcomm").isEnabledFor, logging.DEBUG
 #: NumPy 1 lets ``a.data = ...`` move an array (deprecated); NumPy 2 refuses it (collectives._small_host)
 _FIXED_ADDRESSES = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+#: the most fast lanes a communicator keeps (Communicator._lanes; a GPU one per kind of call, count
+#: included): past it they are dropped, and the next call of each kind takes the full path again
+LANES = 256
 
 
 def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tuple[str, Any, Any]:
@@ -182,49 +185,91 @@ def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
         comm._failed(ctx, e)
 
 
-def _kernel_lane(comm: Any, x: Any, op: Any, out: Any) -> Any:
-    """The fast lane of a GPU all-reduce that runs as one kernel (ringcomm.executor), like a call
-    that ran before it (:func:`_keep_kernel_lane`: the same count, dtype and op, in place or not):
-    when x (and out) are 1-D contiguous CuPy arrays (out apart from x), on the lane's device and
-    CuPy's current stream, no kernel has recorded a failure, and the lanes are open, it numbers
-    the call and launches it (executor.launch), and returns its result; else None: the full path
-    runs, with its checks, their messages and its log line."""
+def _on_gpu(x: Any) -> bool:
+    """Whether ``x`` is a CuPy array (what a kernel lane takes; CuPy looked for only where imported)."""
     cp = sys.modules.get("cupy")
-    if cp is None or type(x) is not cp.ndarray or not _lanes_open(comm):
+    return cp is not None and type(x) is cp.ndarray
+
+
+def _kernel_lane(comm: Any, key: tuple, x: Any) -> tuple | None:
+    """``(lane, call)``: the lane ``key`` of GPU calls like one that a ring kernel ran before
+    (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on the CuPy array
+    ``x`` may take it now: x 1-D and contiguous, the lanes open, the launch still kept, no kernel
+    failure recorded, and CuPy's current device the lane's; its device then runs on CuPy's current
+    stream. Else None: the full path runs, with its checks, their messages and its log line."""
+    lane = comm._lanes.get(key)
+    if lane is None or x.ndim != 1 or not x.flags.c_contiguous or not _lanes_open(comm):
         return None
-    op = OPS.get(op) if isinstance(op, str) else None
-    lane = comm._lanes.get(("kernel all_reduce", x.size, x.dtype, op, out is None))
-    if lane is None or x.ndim != 1 or not x.flags.c_contiguous:
+    ctx, ex, at, steps, _ = lane
+    call, device = ex.calls.get(at), ctx.device
+    if call is None or call[0] is not steps or ex.err[0] or ex.cupy.cuda.runtime.getDevice() != device.device_id:
         return None
-    work = x
-    if out is not None:
-        if type(out) is not cp.ndarray or out.dtype != x.dtype or out.size != x.size or out.ndim != 1:
-            return None
-        at, to, nbytes = x.data.ptr, out.data.ptr, x.nbytes
-        if not out.flags.c_contiguous or not (to + nbytes <= at or at + nbytes <= to):
-            return None
-        work = out
-    ctx, ex, key, steps = lane
-    call, device = ex.calls.get(key), ctx.device
-    if call is None or call[0] is not steps or ex.err[0] or cp.cuda.runtime.getDevice() != device.device_id:
-        return None
-    device.stream = cp.cuda.get_current_stream()
+    device.stream = ex.cupy.cuda.get_current_stream()
+    return lane, call
+
+
+def _gpu_out(out: Any, x: Any, count: int, apart: bool = True) -> bool:
+    """Whether a kernel lane takes ``out`` as the result of ``count`` elements of a call on the CuPy
+    array ``x``: a 1-D contiguous CuPy array of x's dtype and that size, apart from x (``apart``
+    False: wherever it lies)."""
+    if type(out) is not type(x) or out.dtype != x.dtype or out.size != count or out.ndim != 1:
+        return False
+    at, to = x.data.ptr, out.data.ptr
+    return out.flags.c_contiguous and (not apart or to + out.nbytes <= at or at + x.nbytes <= to)
+
+
+def _known(op: Any) -> ReduceOp | None:
+    """The ReduceOp a lane's key names for ``op`` (None where parse_op would refuse it or must say more)."""
+    return OPS.get(op) if isinstance(op, str) else None
+
+
+def _run_kernel_lane(comm: Any, found: tuple, work: Any, src: Any, own: Any = None, scratch: bool = False) -> None:
+    """Run a kernel lane's call (``found``: :func:`_kernel_lane`'s): numbered as _launch does it,
+    its kept launch queued (executor.launch) with these buffers (``scratch``: ``work`` is the
+    communicator's scratch of src's size instead, taken and done around it as the full path does)."""
+    (ctx, ex, at, _, _), call = found
+    device = ctx.device
+    if scratch:
+        work = comm._scratch_array("cuda", device, src.size, src.dtype)
     comm._calls += 1
     ctx.call = comm._calls
     try:
-        comm.bytes_sent += ex.launch(key, call, device, work, x)
+        comm.bytes_sent += ex.launch(at, call, device, work, src, None, own)
     except BaseException as e:
         comm._failed(ctx, e)
-    return x if out is None else out
+    if scratch:
+        comm._scratch_done("cuda", device)
 
 
-def _keep_kernel_lane(comm: Any, ctx: Context, count: int, steps: Any, chunks: Any, in_place: bool) -> None:
-    """After an all-reduce that the executor ran on CuPy's current stream: the lane of the calls
-    like it (:func:`_kernel_lane`), with a Context and a device of its own."""
+def _keep_kernel_lane(
+    comm: Any,
+    key: tuple,
+    ctx: Context,
+    steps: Any,
+    bounds: Any,
+    in_place: bool,
+    result_chunks: Any = (),
+    own: str | None = None,
+    extra: Any = None,
+) -> None:
+    """After a GPU call that the ring kernel ran (``ctx``: its Context; ``steps`` to ``own`` what it
+    gave RingExecutor.run, ``own`` the way alone), the lane ``key`` of the calls like it
+    (:func:`_kernel_lane`): a Context and a device of its own, the executor's key of the launch, and
+    ``extra``, what the collective's lane needs (its shard's bounds). At most LANES lanes are kept."""
+    if len(comm._lanes) >= LANES:
+        comm._lanes.clear()
     ex = comm._executors[ctx.device.device_id]
-    lane_ctx = Context("all_reduce", comm, get_device("cuda"), ctx.dtype, ctx.op)
-    key = ex.key(lane_ctx, steps, chunks, in_place, range(comm.size))
-    comm._lanes["kernel all_reduce", count, ctx.dtype, ctx.op, in_place] = (lane_ctx, ex, key, steps)
+    lane_ctx = Context(ctx.collective, comm, get_device("cuda"), ctx.dtype, ctx.op)
+    lane_ctx.root = ctx.root
+    way = None if own is None else (comm.position, own)
+    at = ex.key(lane_ctx, steps, bounds, in_place, result_chunks, way)
+    comm._lanes[key] = (lane_ctx, ex, at, steps, extra)
+
+
+def _kernel_ran(comm: Any, kind: str, wide: bool) -> bool:
+    """Whether a GPU call that went the full path (not through the host) ran as a ring kernel, whose
+    lane the next such call may take (not with accumulate="float32": its partial sums' scratch)."""
+    return kind == "cuda" and not wide and comm._transport(kind).kernel
 
 
 def all_reduce(
@@ -238,9 +283,15 @@ def all_reduce(
     result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
     """
     if stream is None and accumulate is None:
-        done = _small_host(comm, x, op, out) if type(x) is np.ndarray else _kernel_lane(comm, x, op, out)
-        if done is not None:
-            return done
+        if type(x) is np.ndarray:
+            done = _small_host(comm, x, op, out)
+            if done is not None:
+                return done
+        elif _on_gpu(x):  # the kernel lane: in place, or out apart from x
+            found = _kernel_lane(comm, ("kernel all_reduce", x.size, x.dtype, _known(op), out is None), x)
+            if found is not None and (out is None or _gpu_out(out, x, x.size)):
+                _run_kernel_lane(comm, found, x if out is None else out, x)
+                return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
     wide = _accumulating(comm, accumulate, src.dtype)
@@ -274,9 +325,9 @@ def all_reduce(
     else:
         steps, chunks = schedule.all_reduce(n, r), comm._in_ring(schedule.partition(count, n))
         comm._run(ctx, kind, count, steps, chunks, work, src, result_chunks=range(n))
-        lane = kind == "cuda" and stream is None and not wide and (out is None) == (work is src)
-        if lane and comm._transport(kind).kernel:
-            _keep_kernel_lane(comm, ctx, count, steps, chunks, work is src)
+        if (out is None) == (work is src) and _kernel_ran(comm, kind, wide):
+            key = ("kernel all_reduce", count, src.dtype, op, out is None)
+            _keep_kernel_lane(comm, key, ctx, steps, chunks, work is src, range(n))
     return x if out is None else out
 
 
@@ -320,6 +371,15 @@ def reduce_scatter(
     ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
     ``accumulate``: as for :meth:`all_reduce`.
     """
+    if stream is None and accumulate is None and _on_gpu(x):
+        # the kernel lane: a fresh result, or an out apart from x (the kernel's last reductions write it)
+        found = _kernel_lane(comm, ("kernel reduce_scatter", x.size, x.dtype, _known(op)), x)
+        if found is not None:
+            lo, hi = found[0][-1]
+            if out is None or _gpu_out(out, x, hi - lo):
+                result = found[0][0].device.empty(hi - lo, x.dtype) if out is None else out
+                _run_kernel_lane(comm, found, None, x, result, scratch=True)
+                return result
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str):
         # the lane of a count, dtype and op that ran in the window (see broadcast): x contiguous, a
         # fresh result or an out of the shard's size (one that shares x's memory is folded into a
@@ -389,6 +449,9 @@ def reduce_scatter(
         if own is None:
             device.copy(result, work[lo:hi])
         comm._scratch_done(kind, device)
+        if own is not None and not wide:
+            key = ("kernel reduce_scatter", src.size, src.dtype, op)
+            _keep_kernel_lane(comm, key, ctx, steps, chunks, False, [comm.position], "out", (lo, hi))
     return out if out is not None else result
 
 
@@ -398,6 +461,18 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
     of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
     """
+    if stream is None and _on_gpu(shard) and _on_gpu(out):
+        # the kernel lane: shard apart from out (the kernel sends it and copies it into out), or in
+        # place: this rank's place in out
+        in_place = (base := shard.base) is not None and (base is out or base is out.base)
+        found = _kernel_lane(comm, ("kernel all_gather", out.size, out.dtype, in_place), shard)
+        if found is not None:
+            lo, hi = found[0][-1]
+            ptr = out.data.ptr + lo * out.itemsize
+            if shard.size == hi - lo and _gpu_out(out, shard, out.size, apart=not in_place):
+                if not in_place or shard.data.ptr == ptr:
+                    _run_kernel_lane(comm, found, out, out, None if in_place else shard)
+                    return out
     if type(shard) is np.ndarray and stream is None and type(out) is np.ndarray:
         # the lane of an out's count and dtype whose cached plan ran (see broadcast): shard
         # contiguous, of its size, and apart from out, or in place: this rank's place in out (a
@@ -451,6 +526,9 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     steps = schedule.all_gather(n, comm.position)
     chunks = comm._in_ring(bounds)
     plan = comm._run(ctx, kind, work.size, steps, chunks, work, work, agreed=agreed, own=own)
+    if out is not None and _kernel_ran(comm, kind, False):
+        key = ("kernel all_gather", work.size, src.dtype, place == "same")
+        _keep_kernel_lane(comm, key, ctx, steps, chunks, True, (), None if own is None else "in", (lo, hi))
     if plan is not None and out is not None:  # (the bounds of out's count: those of later such calls)
         comm._lanes["all_gather", work.size, src.dtype] = (
             *_new_lane(comm, plan, "all_gather", src.dtype, None, -1),
@@ -463,6 +541,11 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
+    if stream is None and type(root) is int and _on_gpu(x):  # the kernel lane
+        found = _kernel_lane(comm, ("kernel broadcast", x.size, x.dtype, root), x)
+        if found is not None:
+            _run_kernel_lane(comm, found, x, x)
+            return x
     if type(x) is np.ndarray and stream is None and type(root) is int:
         # The fast lane of a host broadcast of a count, dtype and root whose cached plan ran before
         # (so checked then; the window's, or a Plan when x lies where it did): the checks that
@@ -489,8 +572,13 @@ def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
             comm, ctx, buf.size, buf if mine else buf[:0], 0, None if mine else buf, partial(broadcast, comm, root=root)
         )
         return x
-    steps = schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks)
-    plan = comm._run(ctx, kind, buf.size, steps, schedule.partition(buf.size, nchunks), buf, buf, root=root)
+    steps, pieces = (
+        schedule.broadcast(n, comm.position, comm.ring.index(root), nchunks),
+        schedule.partition(buf.size, nchunks),
+    )
+    plan = comm._run(ctx, kind, buf.size, steps, pieces, buf, buf, root=root)
+    if _kernel_ran(comm, kind, False):
+        _keep_kernel_lane(comm, ("kernel broadcast", buf.size, buf.dtype, root), ctx, steps, pieces, True)
     if plan is not None:  # cached: the next such call takes the lane
         comm._lanes["broadcast", buf.size, buf.dtype, root] = (
             *_new_lane(comm, plan, "broadcast", buf.dtype, None, root),
@@ -514,6 +602,15 @@ def reduce(
     On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
     ``accumulate``: as for :meth:`all_reduce`.
     """
+    if stream is None and accumulate is None and type(root) is int and _on_gpu(x):
+        # the kernel lane: in place at the root, or out apart from x
+        found = _kernel_lane(comm, ("kernel reduce", x.size, x.dtype, _known(op), root, out is None), x)
+        if found is not None and (out is None or _gpu_out(out, x, x.size)):
+            if comm.rank != root:  # (its partial sums in the scratch)
+                _run_kernel_lane(comm, found, None, x, scratch=True)
+                return None
+            _run_kernel_lane(comm, found, x if out is None else out, x)
+            return x if out is None else out
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str) and type(root) is int:
         # the lane of a count, dtype, op and root that ran in the window (see broadcast): x
         # contiguous, out None or apart from x; in place at the root (x writable) the root folds
@@ -568,11 +665,13 @@ def reduce(
         comm._lanes["reduce", src.size, src.dtype, op, root] = _new_lane(comm, plan, "reduce", src.dtype, op, root)
     else:
         work = comm._scratch_array(kind, device, src.size, src.dtype) if not is_root else src if rel == "same" else o
-        comm._run(
-            ctx, kind, src.size, steps, pieces, work, src, result_chunks=range(nchunks) if is_root else (), root=root
-        )
+        chunks = range(nchunks) if is_root else ()
+        comm._run(ctx, kind, src.size, steps, pieces, work, src, result_chunks=chunks, root=root)
         if not is_root:
             comm._scratch_done(kind, device)
+        if (out is None) == (rel == "same") and _kernel_ran(comm, kind, wide):
+            key = ("kernel reduce", src.size, src.dtype, op, root, out is None)
+            _keep_kernel_lane(comm, key, ctx, steps, pieces, work is src, chunks)
     if not is_root:
         return None
     return x if out is None else out

@@ -430,7 +430,7 @@ class Communicator:
         reused = self._scratch.get(kind)
         if reused is None:
             reused = self._scratch[kind] = devices.Reused(pinned)
-        return reused.take(device, count * np.dtype(dtype).itemsize).view(dtype)
+        return reused.take(device, count * np.dtype(dtype).itemsize, dtype)
 
     def _scratch_done(self, kind: Any, device: Any) -> None:
         if device.stream is None or not device.stream.is_capturing():

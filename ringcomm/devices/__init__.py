@@ -29,16 +29,19 @@ class Reused:
     On the host all of this costs nothing: host operations are complete when they return.
     """
 
-    __slots__ = ("buf", "_last", "_device", "_pinned")
+    __slots__ = ("buf", "_last", "_device", "_pinned", "_view")
 
     def __init__(self, pinned: bool = False) -> None:
         self.buf = None
         self._last = None
         self._device = None
         self._pinned = pinned  # pinned host memory (a numpy array) that the stream copies into and out of
+        self._view: tuple = (None, None)  # the last view taken: ((bytes, dtype), the array)
 
-    def take(self, device: Any, nbytes: int) -> Any:
-        """A uint8 array of ``nbytes`` over the buffer (grown if needed), safe to use on ``device``'s stream."""
+    def take(self, device: Any, nbytes: int, dtype: Any = "u1") -> Any:
+        """An array of ``dtype`` over the buffer's first ``nbytes`` (grown if needed), safe to use on
+        ``device``'s stream (the last such view again when its bytes and dtype are the same: a
+        GPU array's view costs microseconds of the host's time)."""
         if self.buf is None or self.buf.size < nbytes:
             self.free()
             size = max(nbytes, 1)  # new memory, on this call's stream (or pinned host memory)
@@ -46,7 +49,11 @@ class Reused:
         else:
             device.after(self._last)
         self._device = device
-        return self.buf[:nbytes]
+        shape, view = self._view
+        if shape != (nbytes, dtype):
+            view = self.buf[:nbytes].view(dtype)
+            self._view = (nbytes, dtype), view
+        return view
 
     def after(self, device: Any) -> None:
         """Order ``device``'s stream after the buffer's last use (:meth:`take` without resizing)."""
@@ -61,6 +68,7 @@ class Reused:
         if self.buf is not None:
             self._device.retire(self.buf, self._last)
         self.buf = self._last = None
+        self._view = (None, None)
 
 
 def get(kind: str, stream: Any = None):

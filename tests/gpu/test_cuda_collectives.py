@@ -421,55 +421,124 @@ def test_a_capture_on_a_host_driven_ring_is_refused_before_any_communication():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_kernel_lane_repeats_an_all_reduce_with_its_checks_and_launch_alone(monkeypatch):
-    """RINGCOMM_TRANSPORT=kernel: an all-reduce like one that ran before (count, dtype, op, in place
-    or not, on CuPy's current stream) takes the kernel lane (collectives._kernel_lane): no schedule,
-    no new Context or device, only its checks and the launch. Its results stay right on every call;
-    what the lane does not take (another op, a 2-D array, out overlapping x or on x itself, stream=)
-    goes the full path, with its errors."""
+def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(monkeypatch):
+    """RINGCOMM_TRANSPORT=kernel: a call like one that ran before (collective, count, dtype, op, root,
+    where its result goes; on CuPy's current stream) takes its kernel lane (collectives._kernel_lane):
+    no schedule, no new Context or device, only its checks and the launch. On fresh data every call,
+    each result equals the host path's bit for bit, and the outputs (poisoned before each call) are
+    written; what the lanes do not take (another op or root, a 2-D array, out on x itself or
+    overlapping it, stream=) goes the full path, with its errors."""
     from ringcomm.communicator import Communicator
 
     _use_local_gpu()
     mpi = MPI.COMM_WORLD
     n, r = mpi.size, mpi.rank
-    comm = comm_with("kernel")
+    comm, hostcomm = comm_with("kernel"), make_comm(small_bytes=0)
     full = []
     run = Communicator._run
 
     def counted(self, ctx, *args, **kw):
-        full.append(ctx.collective)
+        if self is comm:
+            full.append(ctx.collective)
         return run(self, ctx, *args, **kw)
 
     monkeypatch.setattr(Communicator, "_run", counted)
-    x = cupy.empty(1003, cupy.float32)
-    y = cupy.empty_like(x)
-    base = n * (n - 1) // 2
-    for i in range(20):
-        x[...] = i + r
-        assert comm.all_reduce(x, out=y) is y
-        assert comm.all_reduce(y) is y  # in place: a lane of its own
-        assert (host(y) == n * (n * i + base)).all(), f"call {i}: {host(y)[:4]}"
-        assert (host(x) == i + r).all()
-    assert full == ["all_reduce", "all_reduce"], full  # the first call of each kind only
-    comm.all_reduce(x, op="max", out=y)
-    assert (host(y) == i + n - 1).all() and len(full) == 3
+    count = 16 * n + 5  # (not a multiple of N)
+    lo, hi = comm.shard_bounds(count)[r]
+    nan = np.float32("nan")
+
+    def gather_into(x, in_place):
+        out = dev(np.full(count, nan, np.float32))
+        if in_place:
+            out[lo:hi] = x[lo:hi]
+            return comm.all_gather(out[lo:hi], out=out)
+        return comm.all_gather(x[lo:hi], out=out)
+
+    def poison(size):
+        return dev(np.full(size, nan, np.float32))
+
+    # name: (the GPU call on x, the host path's on x, whether x stays as it was on every rank)
+    cases = {
+        "all_reduce in place": (lambda x: comm.all_reduce(x), lambda x: hostcomm.all_reduce(x.copy()), False),
+        "all_reduce avg into out": (
+            lambda x: comm.all_reduce(x, "avg", out=poison(count)),
+            lambda x: hostcomm.all_reduce(x.copy(), "avg"),
+            True,
+        ),
+        "reduce_scatter": (lambda x: comm.reduce_scatter(x), lambda x: hostcomm.reduce_scatter(x), True),
+        "reduce_scatter max into out": (
+            lambda x: comm.reduce_scatter(x, "max", out=poison(hi - lo)),
+            lambda x: hostcomm.reduce_scatter(x, "max"),
+            True,
+        ),
+        "all_gather": (
+            lambda x: gather_into(x, False),
+            lambda x: hostcomm.all_gather(x[lo:hi], out=np.empty_like(x)),
+            True,
+        ),
+        "all_gather in place": (
+            lambda x: gather_into(x, True),
+            lambda x: hostcomm.all_gather(x[lo:hi], out=np.empty_like(x)),
+            True,
+        ),
+        "broadcast from the last rank": (
+            lambda x: comm.broadcast(x, root=n - 1),
+            lambda x: hostcomm.broadcast(x.copy(), root=n - 1),
+            False,
+        ),
+        "reduce in place at 0": (
+            lambda x: comm.reduce(x, root=0),
+            lambda x: hostcomm.reduce(x.copy(), root=0),
+            r != 0,
+        ),
+        "reduce min into out at the last rank": (
+            lambda x: comm.reduce(x, "min", root=n - 1, out=poison(count)),
+            lambda x: hostcomm.reduce(x, "min", root=n - 1, out=np.empty_like(x)),
+            True,
+        ),
+    }
+    rng = np.random.default_rng(shared_seed(mpi) + r)
+    for i in range(6):
+        for name, (gpu_call, host_call, keeps) in cases.items():
+            x = rng.standard_normal(count).astype(np.float32)
+            xd = dev(x)
+            got, want = gpu_call(xd), host_call(x)
+            what = f"call {i}, {name}"
+            assert (got is None) == (want is None), f"{what}: {got!r}"
+            if want is not None:
+                assert host(got).tobytes() == want.tobytes(), f"{what}: {host(got)[:4]} {want[:4]}"
+            if keeps:
+                assert host(xd).tobytes() == x.tobytes(), f"{what}: x changed"
+    assert full == [name.split()[0] for name in cases], full  # the first call of each kind only
+    x = dev(np.arange(count, dtype=np.float32))
+    comm.all_reduce(x, op="prod")  # (another op: the full path, then its own lane)
+    assert len(full) == len(cases) + 1
     m = cupy.full((7, 11), r + 1, cupy.int32)
     for _ in range(2):  # (2-D: the full path every time)
         m[...] = r + 1
         comm.all_reduce(m)
-        assert (host(m) == base + n).all()
-    assert len(full) == 5
+        assert (host(m) == n * (n + 1) // 2).all()
+    assert len(full) == len(cases) + 3
     with pytest.raises(ValueError, match="out partly overlaps x"):
-        comm.all_reduce(x[:1000], out=x[3:])
-    comm.all_reduce(x, out=x)  # (out is x: in place, the full path)
-    assert (host(x) == n * i + base).all()
-    s = cupy.cuda.Stream(non_blocking=True)
+        comm.all_reduce(x[: count - 3], out=x[3:])
+    with pytest.raises(ValueError, match="out partly overlaps x"):
+        comm.reduce(x[: count - 3], root=0, out=x[3:])
+    with pytest.raises(ValueError, match="shard overlaps out but is not"):
+        at = lo + 1 if lo == 0 else lo - 1  # (of the shard's size, not at this rank's place)
+        comm.all_gather(x[at : at + hi - lo], out=x)
     x[...] = r
+    comm.all_reduce(x, out=x)  # (out is x: in place, the full path)
+    assert (host(x) == n * (n - 1) // 2).all() and len(full) == len(cases) + 4
+    s = cupy.cuda.Stream(non_blocking=True)
+    y = cupy.empty_like(x)
     cupy.cuda.Device().synchronize()
     comm.all_reduce(x, out=y, stream=s)
+    comm.broadcast(y, root=n - 1, stream=s)
     s.synchronize()
-    assert (host(y) == base).all() and len(full) == 7
+    assert (host(y) == n * n * (n - 1) // 2).all() and len(full) == len(cases) + 6
     comm.check_errors()
+    comm.close()
+    hostcomm.close()
 
 
 @pytest.mark.parallel(nprocs=[2])
