@@ -195,14 +195,17 @@ def _kernel_lane(comm: Any, key: tuple, x: Any) -> tuple | None:
     """``(lane, call)``: the lane ``key`` of GPU calls like one that a ring kernel ran before
     (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on the CuPy array
     ``x`` may take it now: x 1-D and contiguous, the lanes open, the launch still kept, no kernel
-    failure recorded, and CuPy's current device the lane's; its device then runs on CuPy's current
-    stream. Else None: the full path runs, with its checks, their messages and its log line."""
+    failure recorded (by any of the communicator's executors, as _usable polls them), and CuPy's
+    current device the lane's; its device then runs on CuPy's current stream. Else None: the full
+    path runs, with its checks, their messages and its log line."""
     lane = comm._lanes.get(key)
     if lane is None or x.ndim != 1 or not x.flags.c_contiguous or not _lanes_open(comm):
         return None
     ctx, ex, at, steps, _ = lane
     call, device = ex.calls.get(at), ctx.device
-    if call is None or call[0] is not steps or ex.err[0] or ex.cupy.cuda.runtime.getDevice() != device.device_id:
+    if call is None or call[0] is not steps or ex.cupy.cuda.runtime.getDevice() != device.device_id:
+        return None
+    if any(e.err[0] for e in comm._executors.values()):
         return None
     device.stream = ex.cupy.cuda.get_current_stream()
     return lane, call
@@ -255,8 +258,9 @@ def _keep_kernel_lane(
     """After a GPU call that the ring kernel ran (``ctx``: its Context; ``steps`` to ``own`` what it
     gave RingExecutor.run, ``own`` the way alone), the lane ``key`` of the calls like it
     (:func:`_kernel_lane`): a Context and a device of its own, the executor's key of the launch, and
-    ``extra``, what the collective's lane needs (its shard's bounds). At most LANES lanes are kept."""
-    if len(comm._lanes) >= LANES:
+    ``extra``, what the collective's lane needs (its shard's bounds). At most LANES lanes are kept
+    (past it all are dropped, the host's too, and made again by the next full-path calls)."""
+    if len(comm._lanes) >= LANES and key not in comm._lanes:
         comm._lanes.clear()
     ex = comm._executors[ctx.device.device_id]
     lane_ctx = Context(ctx.collective, comm, get_device("cuda"), ctx.dtype, ctx.op)

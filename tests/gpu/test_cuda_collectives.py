@@ -428,6 +428,7 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     each result equals the host path's bit for bit, and the outputs (poisoned before each call) are
     written; what the lanes do not take (another op or root, a 2-D array, out on x itself or
     overlapping it, stream=) goes the full path, with its errors."""
+    from ringcomm import collectives
     from ringcomm.communicator import Communicator
 
     _use_local_gpu()
@@ -519,23 +520,40 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
         comm.all_reduce(m)
         assert (host(m) == n * (n + 1) // 2).all()
     assert len(full) == len(cases) + 3
+    twice = cupy.zeros(2 * count, cupy.float32)  # (x of the lanes' count, and an out overlapping it)
     with pytest.raises(ValueError, match="out partly overlaps x"):
-        comm.all_reduce(x[: count - 3], out=x[3:])
+        comm.all_reduce(twice[:count], "avg", out=twice[3 : count + 3])
     with pytest.raises(ValueError, match="out partly overlaps x"):
-        comm.reduce(x[: count - 3], root=0, out=x[3:])
+        comm.reduce(twice[:count], "min", root=n - 1, out=twice[3 : count + 3])
     with pytest.raises(ValueError, match="shard overlaps out but is not"):
         at = lo + 1 if lo == 0 else lo - 1  # (of the shard's size, not at this rank's place)
         comm.all_gather(x[at : at + hi - lo], out=x)
     x[...] = r
-    comm.all_reduce(x, out=x)  # (out is x: in place, the full path)
-    assert (host(x) == n * (n - 1) // 2).all() and len(full) == len(cases) + 4
+    comm.all_reduce(x, "avg", out=x)  # (out is x: in place, the full path)
+    assert (host(x) == (n - 1) / 2).all() and len(full) == len(cases) + 4
+    x[...] = r
     s = cupy.cuda.Stream(non_blocking=True)
     y = cupy.empty_like(x)
     cupy.cuda.Device().synchronize()
     comm.all_reduce(x, out=y, stream=s)
     comm.broadcast(y, root=n - 1, stream=s)
     s.synchronize()
-    assert (host(y) == n * n * (n - 1) // 2).all() and len(full) == len(cases) + 6
+    assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 6
+    with s:  # (stream None: on CuPy's current stream, the lanes')
+        for _ in range(3):
+            z = cupy.full(count, r + 1, cupy.float32)
+            comm.all_reduce(z)
+            comm.broadcast(z, root=n - 1)
+    s.synchronize()
+    assert (host(z) == n * (n + 1) // 2).all() and len(full) == len(cases) + 6
+    comm.broadcast(z, root=0)  # (another root: the full path)
+    assert len(full) == len(cases) + 7
+    monkeypatch.setattr(collectives, "LANES", 3)  # (past it every lane is dropped, and made again)
+    for size in (1, 2, 3, 4, 5, 6, 6, 6):
+        z = cupy.full(size, r + 1, cupy.float32)
+        comm.all_reduce(z)
+        assert (host(z) == n * (n + 1) // 2).all() and len(comm._lanes) <= 3
+    assert len(full) == len(cases) + 13  # (the last two calls on their lane)
     comm.check_errors()
     comm.close()
     hostcomm.close()
