@@ -25,7 +25,8 @@
 # 5. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
 # 6. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
 #    and where a small GPU all-reduce's host time goes, per transport (benchmarks/gpu_host_cost.py);
-# 7. ringcomm-bench, 2 ranks: ringcomm, NCCL and MPI side by side, 8 B to 64 MiB (JSON and the table under $OUT);
+# 7. ringcomm-bench, 2 ranks: every collective on kernel, NCCL and MPI side by side, 16 B to 16 MiB (JSON and the
+#    table under $OUT);
 #    then all_reduce of ipc, kernel (each collective one kernel; RINGCOMM_TRANSPORT) and NCCL at 2 and 4 ranks
 #    on the one GPU, 8 B to 1 GiB (bench_<transport>_n<N>.json). NCCL is the carried 2.30 when its smoke test passed;
 # 8. the GPU tests at N = 3 and 4, and tests/test_zero_gpu.py (last: a hang there cannot starve the others).
@@ -385,9 +386,11 @@ step "gpu host cost" bash -c "mpiexec -n 2 $PY benchmarks/gpu_host_cost.py --tra
     --iters 30 --json '$OUTDIR/gpu_host_cost_n4.json'"
 
 # ------------------------------------------------------------ 7. ringcomm against NCCL and MPI, 2 ranks
-# the table also goes to its own file as it is printed, so a run cut short keeps the rows it measured
-step "ringcomm-bench" bash -o pipefail -c "$NCCL_ENV RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench --device cuda \
-    --impl ringcomm,nccl,mpi -b 8 -e 64M --time-budget 1 --timeout 40 --json '$OUTDIR/bench.json' | tee '$OUTDIR/bench.txt'"
+# every collective, each one ring kernel (its lane once it ran: the bench repeats each call); the table also goes
+# to its own file as it is printed, so a run cut short keeps the rows it measured
+step "ringcomm-bench" bash -o pipefail -c "$NCCL_ENV RINGCOMM_TRANSPORT=kernel RINGCOMM_TIMEOUT=30 mpiexec -n 2 $PY -m ringcomm.bench \
+    --device cuda --impl ringcomm,nccl,mpi -c all -b 16 -e 16M -f 4 --time-budget 0.3 --timeout 40 --json '$OUTDIR/bench.json' \
+    | tee '$OUTDIR/bench.txt'"
 
 # ipc and kernel (each collective one kernel: ringcomm/executor.py) beside NCCL, 2 and 4 ranks, 8 B..1 GiB; then
 # the kernel's all-reduces without the one-shot (RINGCOMM_ONESHOT_BYTES=0) up to 256 KiB: where the one-shot beats
@@ -461,8 +464,8 @@ bj = os.path.join(out, "bench.json")
 if os.path.exists(bj):
     doc = json.load(open(bj))
     env = doc["environment"]
-    print(f"ringcomm-bench all_reduce, {env['ranks']} ranks, transport {env['transport']}; busbw GB/s out-of-place "
-          "(in-place), #wrong summed:")
+    print(f"ringcomm-bench, {env['ranks']} ranks, transport {env['transport']}; out-of-place (broadcast: in place) us per call (busbw GB/s), "
+          "#wrong summed:")
     if (env.get("nccl_library") or {}).get("line"):
         print(f"  NCCL library: {env['nccl_library']['line']}")
     for note in env.get("notes", []):
@@ -470,19 +473,20 @@ if os.path.exists(bj):
     for text in env.get("footnotes", {}).values():
         print(f"  {text}")
     impls = list(dict.fromkeys(r["impl"] + r.get("mark", "") for r in doc["rows"]))
-    print(f"  {'size':>10} " + " ".join(f"{i:>17}" for i in impls))
     by = {}
     for r in doc["rows"]:
-        if r["collective"] == "all_reduce":
-            by.setdefault(r["size"], {})[r["impl"] + r.get("mark", "")] = r["results"]
-    for size in sorted(by):
-        if size and size & (size - 1) == 0 and size >= 1024 and (size.bit_length() - 1) % 2 == 0:
+        by.setdefault(r["collective"], {}).setdefault(r["size"], {})[r["impl"] + r.get("mark", "")] = r["results"]
+    for collective, sizes in by.items():
+        print(f"  {collective:<10} " + " ".join(f"{i:>17}" for i in impls))
+        for size in sorted(sizes):
             cells = []
-            for i in impls:
-                res = by[size].get(i, {})
-                o, p = res.get("out-of-place", {}), res.get("in-place", {})
-                fmt = lambda g: f"{g['busbw']:.1f}" if g.get("busbw") is not None else "-"  # noqa: E731
-                cells.append(f"{fmt(o):>7} ({fmt(p):>6})")
+            for i in impls:  # (broadcast: ringcomm's is in place only, its row's in-place cell)
+                res = sizes[size].get(i, {})
+                g = res.get("out-of-place") or {}
+                if g.get("time_us") is None:
+                    g = res.get("in-place") or {}
+                ok = g.get("time_us") is not None and g.get("busbw") is not None
+                cells.append(f"{g['time_us']:8.1f} ({g['busbw']:6.1f})" if ok else "-")
             print(f"  {size:>10} " + " ".join(f"{c:>17}" for c in cells))
     wrong = sum(g.get("wrong") or 0 for r in doc["rows"] for g in r["results"].values())
     print(f"  wrong elements over every row: {wrong}")

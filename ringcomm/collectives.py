@@ -185,19 +185,20 @@ def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
         comm._failed(ctx, e)
 
 
-def _on_gpu(x: Any) -> bool:
-    """Whether ``x`` is a CuPy array (what a kernel lane takes; CuPy looked for only where imported)."""
+def _on_gpu(x: Any, stream: Any) -> bool:
+    """Whether a kernel lane may take a call on ``x`` queued on ``stream``: x a CuPy array, stream None
+    (CuPy's current stream) or a ``cupy.cuda.Stream`` (CuPy looked for only where imported)."""
     cp = sys.modules.get("cupy")
-    return cp is not None and type(x) is cp.ndarray
+    return cp is not None and type(x) is cp.ndarray and (stream is None or type(stream) is cp.cuda.Stream)
 
 
-def _kernel_lane(comm: Any, key: tuple, x: Any) -> tuple | None:
+def _kernel_lane(comm: Any, key: tuple, x: Any, stream: Any) -> tuple | None:
     """``(lane, call)``: the lane ``key`` of GPU calls like one that a ring kernel ran before
     (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on the CuPy array
     ``x`` may take it now: x 1-D and contiguous, the lanes open, the launch still kept, no kernel
     failure recorded (by any of the communicator's executors, as _usable polls them), and CuPy's
-    current device the lane's; its device then runs on CuPy's current stream. Else None: the full
-    path runs, with its checks, their messages and its log line."""
+    current device the lane's; its device then runs on ``stream`` (None: CuPy's current stream).
+    Else None: the full path runs, with its checks, their messages and its log line."""
     lane = comm._lanes.get(key)
     if lane is None or x.ndim != 1 or not x.flags.c_contiguous or not _lanes_open(comm):
         return None
@@ -207,7 +208,7 @@ def _kernel_lane(comm: Any, key: tuple, x: Any) -> tuple | None:
         return None
     if any(e.err[0] for e in comm._executors.values()):
         return None
-    device.stream = ex.cupy.cuda.get_current_stream()
+    device.stream = ex.cupy.cuda.get_current_stream() if stream is None else stream
     return lane, call
 
 
@@ -286,13 +287,13 @@ def all_reduce(
     None, or "float32": float16/bfloat16 partial sums travel and are added in float32 and each
     result is rounded once (no effect on other dtypes; env ``RINGCOMM_ACCUMULATE`` overrides).
     """
-    if stream is None and accumulate is None:
-        if type(x) is np.ndarray:
+    if accumulate is None:
+        if type(x) is np.ndarray and stream is None:
             done = _small_host(comm, x, op, out)
             if done is not None:
                 return done
-        elif _on_gpu(x):  # the kernel lane: in place, or out apart from x
-            found = _kernel_lane(comm, ("kernel all_reduce", x.size, x.dtype, _known(op), out is None), x)
+        elif _on_gpu(x, stream):  # the kernel lane: in place, or out apart from x
+            found = _kernel_lane(comm, ("kernel all_reduce", x.size, x.dtype, _known(op), out is None), x, stream)
             if found is not None and (out is None or _gpu_out(out, x, x.size)):
                 _run_kernel_lane(comm, found, x if out is None else out, x)
                 return x if out is None else out
@@ -375,9 +376,9 @@ def reduce_scatter(
     ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
     ``accumulate``: as for :meth:`all_reduce`.
     """
-    if stream is None and accumulate is None and _on_gpu(x):
+    if accumulate is None and _on_gpu(x, stream):
         # the kernel lane: a fresh result, or an out apart from x (the kernel's last reductions write it)
-        found = _kernel_lane(comm, ("kernel reduce_scatter", x.size, x.dtype, _known(op)), x)
+        found = _kernel_lane(comm, ("kernel reduce_scatter", x.size, x.dtype, _known(op)), x, stream)
         if found is not None:
             lo, hi = found[0][-1]
             if out is None or _gpu_out(out, x, hi - lo):
@@ -465,11 +466,11 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
     of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
     """
-    if stream is None and _on_gpu(shard) and _on_gpu(out):
+    if _on_gpu(shard, stream) and _on_gpu(out, None):
         # the kernel lane: shard apart from out (the kernel sends it and copies it into out), or in
         # place: this rank's place in out
         in_place = (base := shard.base) is not None and (base is out or base is out.base)
-        found = _kernel_lane(comm, ("kernel all_gather", out.size, out.dtype, in_place), shard)
+        found = _kernel_lane(comm, ("kernel all_gather", out.size, out.dtype, in_place), shard, stream)
         if found is not None:
             lo, hi = found[0][-1]
             ptr = out.data.ptr + lo * out.itemsize
@@ -545,8 +546,8 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
-    if stream is None and type(root) is int and _on_gpu(x):  # the kernel lane
-        found = _kernel_lane(comm, ("kernel broadcast", x.size, x.dtype, root), x)
+    if type(root) is int and _on_gpu(x, stream):  # the kernel lane
+        found = _kernel_lane(comm, ("kernel broadcast", x.size, x.dtype, root), x, stream)
         if found is not None:
             _run_kernel_lane(comm, found, x, x)
             return x
@@ -606,9 +607,9 @@ def reduce(
     On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
     ``accumulate``: as for :meth:`all_reduce`.
     """
-    if stream is None and accumulate is None and type(root) is int and _on_gpu(x):
+    if accumulate is None and type(root) is int and _on_gpu(x, stream):
         # the kernel lane: in place at the root, or out apart from x
-        found = _kernel_lane(comm, ("kernel reduce", x.size, x.dtype, _known(op), root, out is None), x)
+        found = _kernel_lane(comm, ("kernel reduce", x.size, x.dtype, _known(op), root, out is None), x, stream)
         if found is not None and (out is None or _gpu_out(out, x, x.size)):
             if comm.rank != root:  # (its partial sums in the scratch)
                 _run_kernel_lane(comm, found, None, x, scratch=True)

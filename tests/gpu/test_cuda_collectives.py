@@ -423,11 +423,11 @@ def test_a_capture_on_a_host_driven_ring_is_refused_before_any_communication():
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(monkeypatch):
     """RINGCOMM_TRANSPORT=kernel: a call like one that ran before (collective, count, dtype, op, root,
-    where its result goes; on CuPy's current stream) takes its kernel lane (collectives._kernel_lane):
-    no schedule, no new Context or device, only its checks and the launch. On fresh data every call,
-    each result equals the host path's bit for bit, and the outputs (poisoned before each call) are
-    written; what the lanes do not take (another op or root, a 2-D array, out on x itself or
-    overlapping it, stream=) goes the full path, with its errors."""
+    where its result goes; on CuPy's current stream or a cupy.cuda.Stream given) takes its kernel
+    lane (collectives._kernel_lane): no schedule, no new Context or device, only its checks and the
+    launch. On fresh data every call, each result equals the host path's bit for bit, and the
+    outputs (poisoned before each call) are written; what the lanes do not take (another op or root,
+    a 2-D array, out on x itself or overlapping it) goes the full path, with its errors."""
     from ringcomm import collectives
     from ringcomm.communicator import Communicator
 
@@ -535,25 +535,28 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     s = cupy.cuda.Stream(non_blocking=True)
     y = cupy.empty_like(x)
     cupy.cuda.Device().synchronize()
+    comm.all_reduce(x, out=y, stream=s)  # (a new kind: sum into out; then its lane)
+    comm.broadcast(y, root=n - 1, stream=s)  # (stream= a cupy.cuda.Stream: the lane, on that stream)
     comm.all_reduce(x, out=y, stream=s)
-    comm.broadcast(y, root=n - 1, stream=s)
+    (ex,) = comm._executors.values()
+    assert ex.last.stream is s  # (the lane's kernel went on s)
     s.synchronize()
-    assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 6
+    assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 5
     with s:  # (stream None: on CuPy's current stream, the lanes')
         for _ in range(3):
             z = cupy.full(count, r + 1, cupy.float32)
             comm.all_reduce(z)
             comm.broadcast(z, root=n - 1)
     s.synchronize()
-    assert (host(z) == n * (n + 1) // 2).all() and len(full) == len(cases) + 6
+    assert (host(z) == n * (n + 1) // 2).all() and len(full) == len(cases) + 5
     comm.broadcast(z, root=0)  # (another root: the full path)
-    assert len(full) == len(cases) + 7
+    assert len(full) == len(cases) + 6
     monkeypatch.setattr(collectives, "LANES", 3)  # (past it every lane is dropped, and made again)
     for size in (1, 2, 3, 4, 5, 6, 6, 6):
         z = cupy.full(size, r + 1, cupy.float32)
         comm.all_reduce(z)
         assert (host(z) == n * (n + 1) // 2).all() and len(comm._lanes) <= 3
-    assert len(full) == len(cases) + 13  # (the last two calls on their lane)
+    assert len(full) == len(cases) + 12  # (the last two calls on their lane)
     comm.check_errors()
     comm.close()
     hostcomm.close()
