@@ -5,7 +5,7 @@ The stand-in runs ringcomm's real kernels (tests/csrc_harness.cpp), real CUDA-IP
 of memory between the ranks (shared memory), and lazy streams that run queued work only when
 something waits for it (a ring kernel runs eagerly, its blocks at once); so the CUDA device, the
 IPC and staged transports, their handshakes, the ring kernel and the GPU tests themselves run end to
-end at N = 1, 2, 3 (4 in the mixed-ring tests; the ring kernel's N = 5 test runs by hand). Skipped
+end at N = 1, 2, 3 (4 in the mixed-ring tests, 5 in the ring kernel's every-op test). Skipped
 without a C++ compiler or mpiexec.
 Where a real CuPy is installed, the GPU tests run on the GPU instead and this test is skipped.
 """
@@ -18,19 +18,21 @@ import pytest
 from conftest import run_emulated
 
 
-@pytest.mark.parametrize("variant", ["pool-exported", "scratch", "two-gpus-per-node"])
+@pytest.mark.parametrize("variant", ["pool-exported", "scratch", "two-gpus-per-node", "five-ranks"])
 def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     env = dict(emulated_gpu_env)
     tests = ["tests/gpu", "tests/test_zero_gpu.py"]  # (ZeRO's fused Adam kernel and manager on GPU arrays too)
-    # (CI time: the ring kernel's N = 5 matrix, about 35 s here, runs by hand:
-    # RINGCOMM_TEST_TRANSPORTS=kernel python -m pytest tests/gpu -k 5_ranks, with the emulated GPU's env)
-    tests += ["-k", "not 5_ranks"]
-    if variant == "pool-exported":
+    tests += ["-k", "not 5_ranks"]  # (the ring kernel's N = 5 matrix: a variant of its own)
+    least = 5  # tests that must pass
+    if variant in ("pool-exported", "five-ranks"):
         # MPICH's blocking calls (the tests' own gathers) busy-poll; with more ranks than cores that starves
         # the emulated GPU's ring-kernel block threads (host threads here, not a GPU's SMs) until their
         # deadline: measured at N = 5 on 2 cores, ring kernels timing out after 20 s. MPICH sleeps instead
         # (the every-op tests: 60 s instead of 113; the other variants run at N <= 3 with MPICH's default)
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
+    if variant == "five-ranks":  # every collective, op, dtype and count class on the ring kernel, N = 5 on one GPU
+        env["RINGCOMM_TEST_TRANSPORTS"] = "kernel"
+        tests, least = ["tests/gpu/test_cuda_collectives.py", "-k", "5_ranks"], 1
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
         env["RINGCOMM_TEST_TRANSPORTS"] = "ipc"  # (the one that exports user buffers)
@@ -49,4 +51,4 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     assert run.returncode == 0, tail
     summary = re.findall(r"(\d+) (passed|failed|skipped|error)", run.stdout.splitlines()[-1] if run.stdout else "")
     counts = {kind: int(n) for n, kind in summary}
-    assert counts.get("passed", 0) >= 5 and not counts.get("skipped") and not counts.get("failed"), tail
+    assert counts.get("passed", 0) >= least and not counts.get("skipped") and not counts.get("failed"), tail

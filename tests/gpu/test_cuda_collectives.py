@@ -112,6 +112,50 @@ def test_kernel_ring_5_ranks_on_one_gpu():
     check_every_op_and_dtype(["kernel"], large=False)
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_kernel_ring_about_a_million_elements():
+    """The ring kernel on 1,000,003 elements (not a multiple of N): every chunk is many FIFO pieces of
+    the executor's real slot size in every channel, so each step wraps the FIFO many times (the
+    counts above fit a piece or two). Every collective, in float32 (sum, and max into out), float16
+    with accumulate="float32" (partial sums in float32) and int64 (prod), is bitwise the host path's
+    result and the same on every rank; x is left as it was where the call does not write it."""
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    rng = np.random.default_rng([shared_seed(mpi), mpi.rank])
+    hostcomm, ring = make_comm(small_bytes=0), comm_with("kernel", small_bytes=0)
+    n, r, count = mpi.size, mpi.rank, 1_000_003
+    lo, hi = ring.shard_bounds(count)[r]
+    for dtype, op, acc in (
+        (np.float32, ReduceOp.SUM, None),
+        (np.float32, ReduceOp.MAX, None),
+        (np.float16, ReduceOp.SUM, "float32"),
+        (np.int64, ReduceOp.PROD, None),
+    ):
+        what = f"N={n} {np.dtype(dtype)} {op} accumulate={acc}"
+        x = random_input(rng, count, dtype, op)
+        expect = hostcomm.all_reduce(x.copy(), op, accumulate=acc)
+        xd = dev(x)
+        got = host(ring.all_reduce(xd, op, out=poisoned(count, dtype), accumulate=acc))
+        assert got.tobytes() == expect.tobytes(), f"all_reduce {what}"
+        assert_identical_on_all_ranks(mpi, got, f"all_reduce {what}")
+        shard = ring.reduce_scatter(xd, op, accumulate=acc)
+        assert host(shard).tobytes() == expect[lo:hi].tobytes(), f"reduce_scatter {what}"
+        assert host(xd).tobytes() == x.tobytes(), f"all_reduce or reduce_scatter modified x {what}"
+        gathered = host(ring.all_gather(shard, out=poisoned(count, dtype)))
+        assert gathered.tobytes() == expect.tobytes(), f"all_gather {what}"
+        want = hostcomm.reduce(x.copy(), op, root=n - 1, accumulate=acc)
+        got = ring.reduce(xd, op, root=n - 1, out=poisoned(count, dtype), accumulate=acc)
+        assert (got is None) == (r != n - 1) and (got is None or host(got).tobytes() == want.tobytes()), what
+        assert host(xd).tobytes() == x.tobytes(), f"reduce modified x {what}"
+        ring.broadcast(xd, root=0)
+        assert host(xd).tobytes() == gather_all(mpi, x)[0].tobytes(), f"broadcast {what}"
+    ring.check_errors()
+    ring.close()
+    hostcomm.close()
+
+
 def check_every_op_and_dtype(names: list[str | None], large: bool = True) -> None:
     """Every collective, op, dtype and count class on the GPU, bitwise the host path's result, once
     per transport in ``names`` (None: the automatic choice per edge; also run by test_cuda_topology);
