@@ -223,7 +223,8 @@ class Communicator:
         #: fast lanes of host calls that ran a cached plan (the shared-memory window's; a broadcast's
         #: or all-gather's Plan, at its buffers' addresses), but small all-reduces (whose gathers keep
         #: theirs): (ctx, run, ...) by collective, count, dtype, op, root (collectives; dropped with
-        #: the plans they run)
+        #: the plans they run); and GPU calls' kernel lanes, by "kernel <collective>", count, dtype,
+        #: op or root, result placement (collectives._kernel_lane; at most collectives.LANES in all)
         self._lanes: dict[tuple, tuple] = {}
         #: weak references to the (x, out) of the last small all-reduce found apart by
         #: np.may_share_memory (collectives._small_host; None: none yet)
