@@ -266,8 +266,7 @@ def _keep_kernel_lane(
     ex = comm._executors[ctx.device.device_id]
     lane_ctx = Context(ctx.collective, comm, get_device("cuda"), ctx.dtype, ctx.op)
     lane_ctx.root = ctx.root
-    way = None if own is None else (comm.position, own)
-    at = ex.key(lane_ctx, steps, bounds, in_place, result_chunks, way)
+    at = ex.key(lane_ctx, steps, bounds, in_place, result_chunks, own)
     comm._lanes[key] = (lane_ctx, ex, at, steps, extra)
 
 

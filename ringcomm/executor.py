@@ -345,7 +345,7 @@ class RingExecutor:
     ) -> int:
         """Queue the call on ``ctx.device``'s stream as one kernel; return the payload bytes sent.
         ``own``: None, or (array, way): this rank's chunk in that array, :func:`step_table`'s ``own``."""
-        way = None if own is None else (self.comm.position, own[1])
+        way = None if own is None else own[1]
         key = self.key(ctx, steps, bounds, work is src, result_chunks, way)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
@@ -359,9 +359,10 @@ class RingExecutor:
         bounds: Bounds,
         in_place: bool,
         result_chunks: Any,
-        own: tuple[int, str] | None = None,
+        own: str | None = None,
     ) -> tuple:
-        """What a kind of call's launch is kept by (:attr:`calls`): its steps, chunks, own chunk and header."""
+        """What a kind of call's launch is kept by (:attr:`calls`): its steps, chunks, the way of this
+        rank's own chunk (None, "in" or "out": :meth:`run`'s ``own``) and header."""
         header = (ctx.dtype, ctx.op, ctx.root, ctx.collective, ctx.wide)
         return (id(steps), bounds, in_place, tuple(result_chunks), own, *header, self.one_shot(ctx, bounds))
 
@@ -409,7 +410,7 @@ class RingExecutor:
         bounds: Bounds,
         in_place: bool,
         result_chunks: Any,
-        own: tuple[int, str] | None,
+        own: str | None,
     ):
         """What every call like this one launches (kept by ``key``, at most CALLS): the step table
         in device memory (copied in on the call's stream), the kernel, its arguments but the
@@ -419,7 +420,8 @@ class RingExecutor:
         if one_shot:  # (csrc/ring.cu: the chunks, every place's allocation as mapped here, the inbox row's bytes)
             host = np.array([v for b in bounds for v in b] + self.peers + [self.oneshot], np.int64)
         else:
-            host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, own)
+            way = None if own is None else (comm.position, own)  # (this rank's chunk: its ring place)
+            host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, way)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
             with self.setup:
                 table = self.cupy.asarray(host)
