@@ -77,14 +77,85 @@ def default_stream(x: Any, stream: Any = None, name: str = "x") -> Any:
             return None
         stream = torch.cuda.current_stream(x.device)
     if isinstance(stream, torch.cuda.Stream):
-        return _cupy(name).cuda.ExternalStream(stream.cuda_stream, stream.device_index)
+        return _external(stream, name)
     return stream
+
+
+def _external(stream: Any, name: str) -> Any:
+    """The ``cupy.cuda.ExternalStream`` of the ``torch.cuda.Stream`` ``stream``: one per handle and
+    device, kept (at most EXTERNAL_STREAMS; it holds the handle alone, as a new one would)."""
+    key = (stream.cuda_stream, stream.device_index)
+    found = _external_streams.get(key)
+    if found is None:
+        if len(_external_streams) >= EXTERNAL_STREAMS:
+            _external_streams.clear()
+        found = _external_streams[key] = _cupy(name).cuda.ExternalStream(*key)
+    return found
+
+
+#: the most torch streams' ExternalStreams kept (_external; past it they are dropped and made again)
+EXTERNAL_STREAMS = 64
+_external_streams: dict[tuple[int, int], Any] = {}
 
 
 def _is_torch_cuda(x: Any) -> bool:
     """Whether ``x`` is a PyTorch CUDA tensor (without importing PyTorch: only if it is imported)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
+    """PyTorch's dtypes that ringcomm has, each with its numpy dtype (bfloat16: ml_dtypes.bfloat16;
+    uint16, uint32 and uint64 where this PyTorch has them, from 2.3 on)."""
+    pairs = ((getattr(torch, d.name, None), d) for d in SUPPORTED_DTYPES)
+    return {t: d for t, d in pairs if isinstance(t, torch.dtype)}
+
+
+#: torch_dtypes of the PyTorch imported, made at the first tensor lane_buffer sees
+_torch_numpy: dict[Any, np.dtype] = {}
+
+
+def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
+    """``(address, count, dtype)`` of a GPU array that a collective's kernel lane may take as it is:
+    a C-contiguous CuPy array, or a contiguous PyTorch CUDA tensor of a dtype ringcomm has that
+    DLPack exports as it is (strided, without requires_grad, which torch's ``__dlpack__`` refuses).
+    Any shape: the collectives act on the flat buffer. Else None (the full path classifies ``x``,
+    with its messages)."""
+    cp = sys.modules.get("cupy")
+    if cp is not None and type(x) is cp.ndarray:
+        return (x.data.ptr, x.size, x.dtype) if x.flags.c_contiguous else None
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or not x.is_cuda:
+        return None
+    if not _torch_numpy:
+        _torch_numpy.update(torch_dtypes(torch))
+    dtype = _torch_numpy.get(x.dtype)
+    if dtype is None or x.requires_grad or x.layout is not torch.strided or not x.is_contiguous():
+        return None
+    return x.data_ptr(), x.numel(), dtype
+
+
+def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
+    """The stream a kernel lane's call on ``x`` (an array lane_buffer takes) runs on, the one the
+    full path picks (default_stream), where picking it imports nothing: for a CuPy array, ``stream``
+    None (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
+    ``torch.cuda.Stream``; for a PyTorch tensor on GPU ``device_id``, PyTorch's current stream there,
+    taken when ``stream`` is None or that stream (torch's ``__dlpack__`` then orders nothing: it
+    makes the consumer's stream wait only for a different stream). Else None: the full path imports
+    ``x`` on its stream."""
+    cp, torch = sys.modules["cupy"], sys.modules.get("torch")
+    if type(x) is cp.ndarray:
+        if stream is None:
+            return cp.cuda.get_current_stream()
+        if type(stream) is cp.cuda.Stream or type(stream) is cp.cuda.ExternalStream:
+            return stream
+        return _external(stream, "stream") if torch is not None and type(stream) is torch.cuda.Stream else None
+    if x.get_device() != device_id:
+        return None
+    current = torch.cuda.current_stream(device_id)
+    if stream is not None and (type(stream) is not torch.cuda.Stream or stream.cuda_stream != current.cuda_stream):
+        return None
+    return _external(current, "x")
 
 
 def _cuda_from_dlpack(x: Any, name: str, stream: Any) -> Any:

@@ -8,7 +8,6 @@ on the rank that passed it and never leaves its peers waiting inside a ring (the
 from __future__ import annotations
 
 import logging
-import sys
 from functools import partial
 from typing import Any
 from weakref import ref
@@ -16,7 +15,7 @@ from weakref import ref
 import numpy as np
 
 from . import schedule
-from .arrays import classify, default_stream, flat, relation, span, writable
+from .arrays import classify, default_stream, flat, lane_buffer, lane_stream, relation, span, writable
 from .devices import get as get_device
 from .engine import Context
 from .ops import AVG, HALF_DTYPES, OPS, ReduceOp, check_dtype, parse_accumulate, parse_op
@@ -185,22 +184,16 @@ def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
         comm._failed(ctx, e)
 
 
-def _on_gpu(x: Any, stream: Any) -> bool:
-    """Whether a kernel lane may take a call on ``x`` queued on ``stream``: x a CuPy array, stream None
-    (CuPy's current stream) or a ``cupy.cuda.Stream`` (CuPy looked for only where imported)."""
-    cp = sys.modules.get("cupy")
-    return cp is not None and type(x) is cp.ndarray and (stream is None or type(stream) is cp.cuda.Stream)
-
-
 def _kernel_lane(comm: Any, key: tuple, x: Any, stream: Any) -> tuple | None:
     """``(lane, call)``: the lane ``key`` of GPU calls like one that a ring kernel ran before
-    (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on the CuPy array
-    ``x`` may take it now: x 1-D and contiguous, the lanes open, the launch still kept, no kernel
-    failure recorded (by any of the communicator's executors, as _usable polls them), and CuPy's
-    current device the lane's; its device then runs on ``stream`` (None: CuPy's current stream).
-    Else None: the full path runs, with its checks, their messages and its log line."""
+    (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on ``x`` (an array
+    arrays.lane_buffer takes) may take it now: the lanes open, the launch still kept, no kernel
+    failure recorded (by any of the communicator's executors, as _usable polls them), CuPy's
+    current device the lane's, and ``stream`` one that arrays.lane_stream picks without an import;
+    the lane's device then runs on it. Else None: the full path runs, with its checks, their
+    messages and its log line."""
     lane = comm._lanes.get(key)
-    if lane is None or x.ndim != 1 or not x.flags.c_contiguous or not _lanes_open(comm):
+    if lane is None or not _lanes_open(comm):
         return None
     ctx, ex, at, steps, _ = lane
     call, device = ex.calls.get(at), ctx.device
@@ -208,18 +201,26 @@ def _kernel_lane(comm: Any, key: tuple, x: Any, stream: Any) -> tuple | None:
         return None
     if any(e.err[0] for e in comm._executors.values()):
         return None
-    device.stream = ex.cupy.cuda.get_current_stream() if stream is None else stream
+    on = lane_stream(x, stream, device.device_id)
+    if on is None:
+        return None
+    device.stream = on
     return lane, call
 
 
-def _gpu_out(out: Any, x: Any, count: int, apart: bool = True) -> bool:
-    """Whether a kernel lane takes ``out`` as the result of ``count`` elements of a call on the CuPy
-    array ``x``: a 1-D contiguous CuPy array of x's dtype and that size, apart from x (``apart``
-    False: wherever it lies)."""
-    if type(out) is not type(x) or out.dtype != x.dtype or out.size != count or out.ndim != 1:
-        return False
-    at, to = x.data.ptr, out.data.ptr
-    return out.flags.c_contiguous and (not apart or to + out.nbytes <= at or at + x.nbytes <= to)
+def _gpu_out(out: Any, x: Any, a: tuple, count: int, apart: bool = True) -> int | None:
+    """The address of ``out`` where a kernel lane takes it as the result of ``count`` elements of a
+    call on ``x`` (``a``: its lane_buffer): an array of x's type that lane_buffer takes, of x's
+    dtype and that size, apart from x (``apart`` False: wherever it lies). Else None."""
+    o = lane_buffer(out) if type(out) is type(x) else None
+    if o is None or o[1] != count or o[2] != a[2]:
+        return None
+    return o[0] if not apart or _apart(a, o) else None
+
+
+def _apart(a: tuple, b: tuple) -> bool:
+    """Whether the buffers ``a`` and ``b`` (lane_buffer's) share no byte."""
+    return a[0] + a[1] * a[2].itemsize <= b[0] or b[0] + b[1] * b[2].itemsize <= a[0]
 
 
 def _known(op: Any) -> ReduceOp | None:
@@ -227,21 +228,22 @@ def _known(op: Any) -> ReduceOp | None:
     return OPS.get(op) if isinstance(op, str) else None
 
 
-def _run_kernel_lane(comm: Any, found: tuple, work: Any, src: Any, own: Any = None, scratch: bool = False) -> None:
+def _run_kernel_lane(comm: Any, found: tuple, work: int, src: int, own: int = 0, scratch: int | None = None) -> None:
     """Run a kernel lane's call (``found``: :func:`_kernel_lane`'s): numbered as _launch does it,
-    its kept launch queued (executor.launch) with these buffers (``scratch``: ``work`` is the
-    communicator's scratch of src's size instead, taken and done around it as the full path does)."""
+    its kept launch queued (executor.launch) with the buffers at these addresses (``scratch``, a
+    count: ``work`` is the communicator's scratch of that many elements instead, taken and done
+    around it as the full path does)."""
     (ctx, ex, at, _, _), call = found
     device = ctx.device
-    if scratch:
-        work = comm._scratch_array("cuda", device, src.size, src.dtype)
+    if scratch is not None:
+        work = comm._scratch_array("cuda", device, scratch, ctx.dtype).data.ptr
     comm._calls += 1
     ctx.call = comm._calls
     try:
-        comm.bytes_sent += ex.launch(at, call, device, work, src, None, own)
+        comm.bytes_sent += ex.launch(at, call, device, work, src, 0, own)
     except BaseException as e:
         comm._failed(ctx, e)
-    if scratch:
+    if scratch is not None:
         comm._scratch_done("cuda", device)
 
 
@@ -291,10 +293,11 @@ def all_reduce(
             done = _small_host(comm, x, op, out)
             if done is not None:
                 return done
-        elif _on_gpu(x, stream):  # the kernel lane: in place, or out apart from x
-            found = _kernel_lane(comm, ("kernel all_reduce", x.size, x.dtype, _known(op), out is None), x, stream)
-            if found is not None and (out is None or _gpu_out(out, x, x.size)):
-                _run_kernel_lane(comm, found, x if out is None else out, x)
+        elif (a := lane_buffer(x)) is not None:  # the kernel lane: in place, or out apart from x
+            found = _kernel_lane(comm, ("kernel all_reduce", a[1], a[2], _known(op), out is None), x, stream)
+            work = None if found is None else a[0] if out is None else _gpu_out(out, x, a, a[1])
+            if work is not None:
+                _run_kernel_lane(comm, found, work, a[0])
                 return x if out is None else out
     op = parse_op(op)
     kind, src, device = _input(comm, x, "x", op, stream)
@@ -375,14 +378,15 @@ def reduce_scatter(
     ``x`` is not modified. ``out`` (optional) must have the shard's size and x's dtype.
     ``accumulate``: as for :meth:`all_reduce`.
     """
-    if accumulate is None and _on_gpu(x, stream):
+    if accumulate is None and (a := lane_buffer(x)) is not None:
         # the kernel lane: a fresh result, or an out apart from x (the kernel's last reductions write it)
-        found = _kernel_lane(comm, ("kernel reduce_scatter", x.size, x.dtype, _known(op)), x, stream)
+        found = _kernel_lane(comm, ("kernel reduce_scatter", a[1], a[2], _known(op)), x, stream)
         if found is not None:
             lo, hi = found[0][-1]
-            if out is None or _gpu_out(out, x, hi - lo):
-                result = found[0][0].device.empty(hi - lo, x.dtype) if out is None else out
-                _run_kernel_lane(comm, found, None, x, result, scratch=True)
+            into = None if out is None else _gpu_out(out, x, a, hi - lo)
+            if out is None or into is not None:
+                result = found[0][0].device.empty(hi - lo, a[2]) if out is None else out
+                _run_kernel_lane(comm, found, 0, a[0], result.data.ptr if out is None else into, scratch=a[1])
                 return result
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str):
         # the lane of a count, dtype and op that ran in the window (see broadcast): x contiguous, a
@@ -465,18 +469,16 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
     With ``out`` given, shard sizes follow ``shard_bounds(out.size)`` and ``shard`` may be the view
     of ``out`` at this rank's bounds (in place). With out None, shards may have any sizes.
     """
-    if _on_gpu(shard, stream) and _on_gpu(out, None):
+    if type(out) is type(shard) and (a := lane_buffer(shard)) is not None and (o := lane_buffer(out)) is not None:
         # the kernel lane: shard apart from out (the kernel sends it and copies it into out), or in
-        # place: this rank's place in out
-        in_place = (base := shard.base) is not None and (base is out or base is out.base)
-        found = _kernel_lane(comm, ("kernel all_gather", out.size, out.dtype, in_place), shard, stream)
-        if found is not None:
+        # place: this rank's place in out (a shard starting in out: the full path's errors otherwise)
+        in_place = a[1] > 0 and o[0] <= a[0] < o[0] + o[1] * o[2].itemsize
+        found = _kernel_lane(comm, ("kernel all_gather", o[1], o[2], in_place), shard, stream)
+        if found is not None and a[2] == o[2]:
             lo, hi = found[0][-1]
-            ptr = out.data.ptr + lo * out.itemsize
-            if shard.size == hi - lo and _gpu_out(out, shard, out.size, apart=not in_place):
-                if not in_place or shard.data.ptr == ptr:
-                    _run_kernel_lane(comm, found, out, out, None if in_place else shard)
-                    return out
+            if a[1] == hi - lo and (a[0] == o[0] + lo * o[2].itemsize if in_place else _apart(a, o)):
+                _run_kernel_lane(comm, found, o[0], o[0], 0 if in_place else a[0])
+                return out
     if type(shard) is np.ndarray and stream is None and type(out) is np.ndarray:
         # the lane of an out's count and dtype whose cached plan ran (see broadcast): shard
         # contiguous, of its size, and apart from out, or in place: this rank's place in out (a
@@ -545,10 +547,10 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
-    if type(root) is int and _on_gpu(x, stream):  # the kernel lane
-        found = _kernel_lane(comm, ("kernel broadcast", x.size, x.dtype, root), x, stream)
+    if type(root) is int and (a := lane_buffer(x)) is not None:  # the kernel lane
+        found = _kernel_lane(comm, ("kernel broadcast", a[1], a[2], root), x, stream)
         if found is not None:
-            _run_kernel_lane(comm, found, x, x)
+            _run_kernel_lane(comm, found, a[0], a[0])
             return x
     if type(x) is np.ndarray and stream is None and type(root) is int:
         # The fast lane of a host broadcast of a count, dtype and root whose cached plan ran before
@@ -606,14 +608,15 @@ def reduce(
     On the other ranks ``x`` and ``out`` are left unchanged and None is returned.
     ``accumulate``: as for :meth:`all_reduce`.
     """
-    if accumulate is None and type(root) is int and _on_gpu(x, stream):
+    if accumulate is None and type(root) is int and (a := lane_buffer(x)) is not None:
         # the kernel lane: in place at the root, or out apart from x
-        found = _kernel_lane(comm, ("kernel reduce", x.size, x.dtype, _known(op), root, out is None), x, stream)
-        if found is not None and (out is None or _gpu_out(out, x, x.size)):
+        found = _kernel_lane(comm, ("kernel reduce", a[1], a[2], _known(op), root, out is None), x, stream)
+        work = None if found is None else a[0] if out is None else _gpu_out(out, x, a, a[1])
+        if work is not None:
             if comm.rank != root:  # (its partial sums in the scratch)
-                _run_kernel_lane(comm, found, None, x, scratch=True)
+                _run_kernel_lane(comm, found, 0, a[0], scratch=a[1])
                 return None
-            _run_kernel_lane(comm, found, x if out is None else out, x)
+            _run_kernel_lane(comm, found, work, a[0])
             return x if out is None else out
     if type(x) is np.ndarray and stream is None and accumulate is None and isinstance(op, str) and type(root) is int:
         # the lane of a count, dtype, op and root that ran in the window (see broadcast): x

@@ -350,7 +350,9 @@ class RingExecutor:
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
             call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
-        return self.launch(key, call, ctx.device, work, src, ctx.acc, None if own is None else own[0])
+        acc, mine = ctx.acc, None if own is None else own[0]
+        at = (pointer(work), pointer(src), 0 if acc is None else pointer(acc), 0 if mine is None else pointer(mine))
+        return self.launch(key, call, ctx.device, *at)
 
     def key(
         self,
@@ -378,11 +380,10 @@ class RingExecutor:
         name) in one kernel."""
         return f"{'one-shot' if self.one_shot(ctx, bounds) else ring} (one kernel)"
 
-    def launch(
-        self, key: tuple, call: tuple, device: Any, work: Any, src: Any, acc: Any = None, own: Any = None
-    ) -> int:
-        """Queue the kept ``call`` (:attr:`calls`'s ``key``) on ``device``'s stream; return the payload bytes
-        sent (run's work once it found the call; collectives' kernel lane calls it straight)."""
+    def launch(self, key: tuple, call: tuple, device: Any, work: int, src: int, acc: int = 0, own: int = 0) -> int:
+        """Queue the kept ``call`` (:attr:`calls`'s ``key``) on ``device``'s stream with its buffers at
+        these device addresses (0: none); return the payload bytes sent (run's work once it found
+        the call; collectives' kernel lane calls it straight)."""
         self.calls.move_to_end(key)
         _, k, head, tail, sent, table = call
         stream = device.stream
@@ -393,8 +394,7 @@ class RingExecutor:
         # by the stream they are launched on, the eager calls' order with them is the caller's.)
         if not capturing:
             device.after(self.last)
-        args = (*head, np.uint64(pointer(work)), np.uint64(pointer(src)), np.uint64(0 if acc is None else pointer(acc)))
-        args += (np.uint64(0 if own is None else pointer(own)), *tail)
+        args = (*head, np.uint64(work), np.uint64(src), np.uint64(acc), np.uint64(own), *tail)
         k((self.channels,), (BLOCK,), args, stream=stream)
         if capturing:
             self.captured[id(table)] = table  # (a graph may replay it for as long as the executor lives)

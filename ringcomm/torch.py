@@ -51,6 +51,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
+from .arrays import torch_dtypes
 from .communicator import Communicator
 from .errors import RingcommError
 from .ops import ReduceOp, bfloat16
@@ -65,20 +66,7 @@ __all__ = ["BACKEND", "ProcessGroupRingcomm", "Work", "communicator", "mpi_store
 BACKEND = "ringcomm"
 
 #: torch dtypes ringcomm reduces, with the numpy dtype of their host view
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: bfloat16,
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-    torch.int8: np.dtype(np.int8),
-    torch.uint8: np.dtype(np.uint8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-    torch.int64: np.dtype(np.int64),
-}
-for _name in ("uint16", "uint32", "uint64"):  # (torch >= 2.3)
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        _NUMPY[getattr(torch, _name)] = np.dtype(_name)
+_NUMPY: dict[torch.dtype, Any] = torch_dtypes(torch)
 _SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in _NUMPY)
 
 _RED = dist.ReduceOp.RedOpType

@@ -21,7 +21,7 @@ import types
 
 import cupy
 import numpy as np
-from dlpack_producer import KDL_BFLOAT, KDL_CUDA, KDL_FLOAT, Producer
+from dlpack_producer import KDL_BFLOAT, KDL_CUDA, Producer
 from mpi4py import MPI
 
 import ringcomm
@@ -64,13 +64,44 @@ _torch_stream = TorchStream(cupy.cuda.Stream(non_blocking=True))  # not PyTorch'
 _default_stream = TorchStream(cupy.cuda.Stream.null)
 
 
-class Tensor:
-    """A CUDA tensor over emulated device memory (``data``, a CuPy array), as PyTorch exports one."""
+class dtype:  # noqa: N801 - torch's name
+    """torch.dtype: the dtypes below are its only instances."""
 
-    def __init__(self, data: cupy.ndarray) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+strided, sparse_coo = object(), object()  # torch.layout's values
+_DTYPES = {name: dtype(name) for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16")}
+_DTYPES.update({name: dtype(name) for name in ("uint16", "int32", "uint32", "int64", "uint64", "bool")})
+
+
+class Tensor:
+    """A CUDA tensor over emulated device memory (``data``, a CuPy array), as PyTorch exports one:
+    ``dtype``, ``layout``, ``requires_grad``, ``is_contiguous()``, ``data_ptr()``, ``numel()``,
+    ``get_device()`` as PyTorch's, and ``__dlpack__`` refusing what PyTorch's refuses (a tensor
+    that requires grad, one on another device than the current one) with its BufferErrors."""
+
+    def __init__(self, data: cupy.ndarray, requires_grad: bool = False, device_index: int = 0) -> None:
         self.data, self.dlpack_streams = data, []
-        self.is_cuda = True
-        self.device = types.SimpleNamespace(type="cuda", index=0)
+        self.is_cuda, self.requires_grad, self.layout = True, requires_grad, strided
+        self.device = types.SimpleNamespace(type="cuda", index=device_index)
+        self.dtype = _DTYPES[data.dtype.name]
+
+    def is_contiguous(self) -> bool:
+        return self.data.flags.c_contiguous
+
+    def data_ptr(self) -> int:
+        return self.data.data.ptr
+
+    def numel(self) -> int:
+        return self.data.size
+
+    def get_device(self) -> int:
+        return self.device.index
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -89,6 +120,10 @@ class Tensor:
 
     def __dlpack__(self, *, stream=-1, max_version=None, dl_device=None, copy=None):
         self.dlpack_streams.append(stream)
+        if self.requires_grad:
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        if self.device.index != cupy.cuda.runtime.getDevice():
+            raise BufferError("Can't export tensors on a different CUDA device index.")
         if stream != -1:
             consumer = _default_stream if stream in (None, 1) else TorchExternalStream(stream)
             current = _torch_stream
@@ -96,15 +131,21 @@ class Tensor:
                 event = TorchEvent()
                 event.record(current)
                 consumer.wait_event(event)
-        code = KDL_BFLOAT if self.data.dtype == bfloat16 else KDL_FLOAT
+        bf16 = self.data.dtype == bfloat16
         producer = Producer(
-            self.data, code=code, bits=16 if code == KDL_BFLOAT else None, device=(KDL_CUDA, 0), ptr=self.data.data.ptr
+            self.data,
+            code=KDL_BFLOAT if bf16 else None,
+            bits=16 if bf16 else None,
+            device=(KDL_CUDA, self.device.index),
+            ptr=self.data.data.ptr,
         )
         return producer.__dlpack__(max_version=max_version)
 
 
 torch = types.ModuleType("torch")
-torch.Tensor = Tensor
+torch.Tensor, torch.dtype, torch.strided, torch.sparse_coo = Tensor, dtype, strided, sparse_coo
+for _name, _dtype in _DTYPES.items():
+    setattr(torch, _name, _dtype)
 torch.cuda = types.SimpleNamespace(
     Stream=TorchStream,
     ExternalStream=TorchExternalStream,

@@ -193,6 +193,13 @@ def test_torch_cuda_tensors_run_on_torchs_current_stream_emulated(emulated_gpu_e
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_cuda_tensors_take_the_kernel_lanes_emulated(emulated_gpu_env, n):
+    env = dict(emulated_gpu_env, RINGCOMM_TRANSPORT="kernel")
+    run = run_emulated(env, ["mpiexec", "-n", str(n), "python", "tests/emulated_torch_lanes.py"], 300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+
+
 @pytest.mark.skipif(not HAVE_TORCH or not real_cupy(), reason="needs PyTorch and CuPy")
 def test_torch_cuda_tensors_on_a_gpu(comm):
     import cupy

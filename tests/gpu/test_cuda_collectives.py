@@ -471,7 +471,7 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     lane (collectives._kernel_lane): no schedule, no new Context or device, only its checks and the
     launch. On fresh data every call, each result equals the host path's bit for bit, and the
     outputs (poisoned before each call) are written; what the lanes do not take (another op or root,
-    a 2-D array, out on x itself or overlapping it) goes the full path, with its errors."""
+    out on x itself or overlapping it) goes the full path, with its errors."""
     from ringcomm import collectives
     from ringcomm.communicator import Communicator
 
@@ -559,11 +559,13 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     comm.all_reduce(x, op="prod")  # (another op: the full path, then its own lane)
     assert len(full) == len(cases) + 1
     m = cupy.full((7, 11), r + 1, cupy.int32)
-    for _ in range(2):  # (2-D: the full path every time)
+    for _ in range(3):  # (2-D, contiguous: the flat buffer's lane after the first call)
         m[...] = r + 1
-        comm.all_reduce(m)
-        assert (host(m) == n * (n + 1) // 2).all()
-    assert len(full) == len(cases) + 3
+        assert comm.all_reduce(m) is m and (host(m) == n * (n + 1) // 2).all()
+    assert len(full) == len(cases) + 2
+    v = dev(np.full(77, r + 1, np.int32))
+    assert comm.all_reduce(v) is v and (host(v) == n * (n + 1) // 2).all()  # (1-D of that count: its lane)
+    assert len(full) == len(cases) + 2
     twice = cupy.zeros(2 * count, cupy.float32)  # (x of the lanes' count, and an out overlapping it)
     with pytest.raises(ValueError, match="out partly overlaps x"):
         comm.all_reduce(twice[:count], "avg", out=twice[3 : count + 3])
@@ -574,7 +576,7 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
         comm.all_gather(x[at : at + hi - lo], out=x)
     x[...] = r
     comm.all_reduce(x, "avg", out=x)  # (out is x: in place, the full path)
-    assert (host(x) == (n - 1) / 2).all() and len(full) == len(cases) + 4
+    assert (host(x) == (n - 1) / 2).all() and len(full) == len(cases) + 3
     x[...] = r
     s = cupy.cuda.Stream(non_blocking=True)
     y = cupy.empty_like(x)
@@ -584,23 +586,28 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     comm.all_reduce(x, out=y, stream=s)
     (ex,) = comm._executors.values()
     assert ex.last.stream is s  # (the lane's kernel went on s)
+    kept = cupy.cuda.Stream(non_blocking=True)
+    other = cupy.cuda.ExternalStream(kept.ptr)
+    comm.broadcast(y, root=n - 1, stream=other)  # (an ExternalStream: the lane too, on it)
+    assert ex.last.stream is other
+    comm.all_reduce(x, out=y, stream=s)
     s.synchronize()
-    assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 5
+    assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 4
     with s:  # (stream None: on CuPy's current stream, the lanes')
         for _ in range(3):
             z = cupy.full(count, r + 1, cupy.float32)
             comm.all_reduce(z)
             comm.broadcast(z, root=n - 1)
     s.synchronize()
-    assert (host(z) == n * (n + 1) // 2).all() and len(full) == len(cases) + 5
+    assert (host(z) == n * (n + 1) // 2).all() and len(full) == len(cases) + 4
     comm.broadcast(z, root=0)  # (another root: the full path)
-    assert len(full) == len(cases) + 6
+    assert len(full) == len(cases) + 5
     monkeypatch.setattr(collectives, "LANES", 3)  # (past it every lane is dropped, and made again)
     for size in (1, 2, 3, 4, 5, 6, 6, 6):
         z = cupy.full(size, r + 1, cupy.float32)
         comm.all_reduce(z)
         assert (host(z) == n * (n + 1) // 2).all() and len(comm._lanes) <= 3
-    assert len(full) == len(cases) + 12  # (the last two calls on their lane)
+    assert len(full) == len(cases) + 11  # (the last two calls on their lane)
     comm.check_errors()
     comm.close()
     hostcomm.close()

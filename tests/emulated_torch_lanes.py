@@ -1,0 +1,163 @@
+"""Kernel lanes for PyTorch CUDA tensors, checked on the emulated GPU (N ranks on one device,
+RINGCOMM_TRANSPORT=kernel).
+
+Run by tests/test_torch_dlpack.py under mpiexec with tests/emulated first on PYTHONPATH and the fake
+``torch`` of tests/emulated_torch_streams.py (PyTorch's signatures, its DLPack stream exchange and its
+refusals). A collective on PyTorch CUDA tensors like a call that a ring kernel ran takes its kernel
+lane (collectives._kernel_lane): no DLPack import (``__dlpack__`` is not called), the kernel queued on
+PyTorch's current stream, so ordered after PyTorch's work there and before its next, and every result
+bitwise the host path's on fresh data. What a lane must not take goes the full path, with its DLPack
+exchange or its errors: ``stream=`` a PyTorch stream other than the current one (the exchange makes
+it wait for PyTorch's), a tensor that requires grad, a tensor on another device.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+from emulated_torch_streams import Tensor, TorchStream, _torch_stream, torch, torch_reads, torch_writes
+from mpi4py import MPI
+
+import ringcomm
+from ringcomm.communicator import Communicator
+from ringcomm.ops import bfloat16
+
+ROUNDS = 4
+
+
+def tensor(values: np.ndarray, **kw) -> Tensor:
+    """A PyTorch CUDA tensor holding ``values``, written by PyTorch's kernel on its current stream."""
+    t = Tensor(cupy.empty(values.shape, values.dtype), **kw)
+    torch_writes(t.data, values)
+    return t
+
+
+def poisoned(count: int, dtype: np.dtype) -> Tensor:
+    return tensor(np.full(count, np.nan, np.float32).astype(dtype))
+
+
+def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype: np.dtype, full: list) -> list[str]:
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    count = 16 * n + 5  # (not a multiple of N)
+    lo, hi = comm.shard_bounds(count)[r]
+    current = torch.cuda.current_stream(0)
+
+    def gather_in_place(x: Tensor) -> Tensor:
+        out = poisoned(count, dtype)
+        with _torch_stream._stream:  # (PyTorch's copy of x's shard into its place, on its stream)
+            out.data[lo:hi] = x.data[lo:hi]
+        return comm.all_gather(Tensor(out.data[lo:hi]), out=out)
+
+    # name: (the call on the PyTorch tensor x, the host path's on x's values)
+    cases = {
+        "all_reduce in place": (lambda x: comm.all_reduce(x), lambda v: host.all_reduce(v.copy())),
+        "all_reduce max into out, stream= torch's current": (
+            lambda x: comm.all_reduce(x, "max", out=poisoned(count, dtype), stream=current),
+            lambda v: host.all_reduce(v.copy(), "max"),
+        ),
+        "reduce_scatter into out": (
+            lambda x: comm.reduce_scatter(x, out=poisoned(hi - lo, dtype)),
+            lambda v: host.reduce_scatter(v),
+        ),
+        "all_gather": (
+            lambda x: comm.all_gather(Tensor(x.data[lo:hi]), out=poisoned(count, dtype)),
+            lambda v: host.all_gather(v[lo:hi].copy(), out=np.empty_like(v)),
+        ),
+        "all_gather in place": (gather_in_place, lambda v: host.all_gather(v[lo:hi].copy(), out=np.empty_like(v))),
+        "broadcast from the last rank": (
+            lambda x: comm.broadcast(x, root=n - 1),
+            lambda v: host.broadcast(v.copy(), root=n - 1),
+        ),
+        "reduce min into out at 0": (
+            lambda x: comm.reduce(x, "min", root=0, out=poisoned(count, dtype)),
+            lambda v: host.reduce(v, "min", root=0, out=np.empty_like(v)),
+        ),
+    }
+    errors = []
+    rng = np.random.default_rng(mpi.bcast(int(np.random.default_rng().integers(1 << 31))) + r)
+    ex = None
+    for i in range(ROUNDS):
+        for name, (call, host_call) in cases.items():
+            what = f"{dtype} round {i}, {name}"
+            values = rng.standard_normal(count).astype(dtype)
+            x = tensor(values)
+            got, want = call(x), host_call(values)
+            if (got is None) != (want is None):
+                errors.append(f"{what}: returned {got!r}")
+                continue
+            if got is not None:
+                seen = torch_reads(got.data)  # (PyTorch's next kernel, on its stream)
+                if seen.tobytes() != want.tobytes():
+                    errors.append(f"{what}: {seen[:3]} differs from the host path's {want[:3]}")
+            ex = ex or next(iter(comm._executors.values()))
+            if ex.last.stream.ptr != current.cuda_stream:
+                errors.append(f"{what}: the kernel went on stream {ex.last.stream.ptr}, not PyTorch's current")
+            if i and x.dlpack_streams:  # (on the lane: no DLPack import)
+                errors.append(f"{what}: x.__dlpack__ was called on the lane ({x.dlpack_streams})")
+    if full != [name.split()[0] for name in cases]:  # (the first round's calls only)
+        errors.append(f"{dtype}: the full path ran {full}, expected the first round's calls alone")
+    return errors
+
+
+def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
+    """What the lanes leave to the full path: ``stream=`` another PyTorch stream (its DLPack exchange
+    orders that stream after PyTorch's current one), a tensor that requires grad or lies on another
+    device (PyTorch's BufferErrors, before any communication)."""
+    n, errors, before = MPI.COMM_WORLD.size, [], len(full)
+    mine = TorchStream(cupy.cuda.Stream(non_blocking=True))
+    values = np.full(64, MPI.COMM_WORLD.rank + 1, np.float32)
+    for _ in range(2):
+        x = tensor(values)  # (written on PyTorch's current stream)
+        comm.all_reduce(x, stream=mine)
+        mine.synchronize()  # (that stream alone: the exchange made it wait for PyTorch's write)
+        if (x.data._np() != n * (n + 1) // 2).any() or x.dlpack_streams != [mine.cuda_stream]:
+            errors.append(f"stream= another torch stream: {x.data._np()[:3]}, __dlpack__ {x.dlpack_streams}")
+    if len(full) != before + 2:
+        errors.append(f"stream= another torch stream: {len(full) - before} full-path calls of 2")
+    for kw, why in (({"requires_grad": True}, "require gradient"), ({"device_index": 1}, "different CUDA device")):
+        for _ in range(2):  # (the second like the first: still refused)
+            try:
+                comm.all_reduce(tensor(values, **kw))
+                errors.append(f"a tensor with {kw}: all_reduce ran")
+            except BufferError as e:
+                if why not in str(e):
+                    errors.append(f"a tensor with {kw}: {e}")
+    return errors
+
+
+def main() -> int:
+    mpi = MPI.COMM_WORLD
+    comm = ringcomm.Communicator(mpi, timeout=30)
+    host = ringcomm.Communicator(mpi, timeout=30, small_bytes=0)
+    assert comm.transport_name(cupy.empty(1, np.float32)) == "kernel", comm.transport_name(cupy.empty(1, np.float32))
+    full: list[str] = []
+    run = Communicator._run
+
+    def counted(self, ctx, *args, **kw):
+        if self is comm:
+            full.append(ctx.collective)
+        return run(self, ctx, *args, **kw)
+
+    Communicator._run = counted
+    errors = []
+    for dtype in (np.dtype(np.float32), bfloat16):  # (bfloat16: no __cuda_array_interface__, DLPack only)
+        try:
+            errors += check_lanes(comm, host, dtype, full)
+        except Exception as e:  # noqa: BLE001 - report, then fail
+            errors.append(f"{dtype}: {type(e).__name__}: {e}")
+        full.clear()
+    errors += check_full_path(comm, full)
+    comm.check_errors()
+    comm.close()
+    host.close()
+    for e in errors:
+        print(f"rank {mpi.rank}: {e}")
+    print(f"rank {mpi.rank}: {'FAIL' if errors else 'ok'}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
