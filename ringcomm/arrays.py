@@ -117,8 +117,9 @@ _torch_numpy: dict[Any, np.dtype] = {}
 
 def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
     """``(address, count, dtype)`` of a GPU array that a collective's kernel lane may take as it is:
-    a C-contiguous CuPy array, or a contiguous PyTorch CUDA tensor of a dtype ringcomm has that
-    DLPack exports as it is (strided, without requires_grad, which torch's ``__dlpack__`` refuses).
+    a C-contiguous CuPy array, or a contiguous PyTorch CUDA tensor (exactly ``torch.Tensor``) of a
+    dtype ringcomm has that DLPack exports as it is (strided, not nested, without requires_grad:
+    what torch's ``__dlpack__`` refuses).
     Any shape: the collectives act on the flat buffer. Else None (the full path classifies ``x``,
     with its messages)."""
     cp = sys.modules.get("cupy")
@@ -130,7 +131,7 @@ def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
     if not _torch_numpy:
         _torch_numpy.update(torch_dtypes(torch))
     dtype = _torch_numpy.get(x.dtype)
-    if dtype is None or x.requires_grad or x.layout is not torch.strided or not x.is_contiguous():
+    if dtype is None or x.requires_grad or x.layout is not torch.strided or x.is_nested or not x.is_contiguous():
         return None
     return x.data_ptr(), x.numel(), dtype
 
@@ -139,21 +140,26 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     """The stream a kernel lane's call on ``x`` (an array lane_buffer takes) runs on, the one the
     full path picks (default_stream), where picking it imports nothing: for a CuPy array, ``stream``
     None (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
-    ``torch.cuda.Stream``; for a PyTorch tensor on GPU ``device_id``, PyTorch's current stream there,
-    taken when ``stream`` is None or that stream (torch's ``__dlpack__`` then orders nothing: it
-    makes the consumer's stream wait only for a different stream). Else None: the full path imports
-    ``x`` on its stream."""
+    ``torch.cuda.Stream`` of GPU ``device_id``; for a PyTorch tensor on GPU ``device_id``, PyTorch's
+    current stream there, taken when ``stream`` is None or that stream (torch's ``__dlpack__`` then
+    orders nothing: it makes the consumer's stream wait only for a different stream). Else None:
+    the full path imports ``x`` on its stream (or raises: a stream of another device)."""
     cp, torch = sys.modules["cupy"], sys.modules.get("torch")
     if type(x) is cp.ndarray:
         if stream is None:
             return cp.cuda.get_current_stream()
         if type(stream) is cp.cuda.Stream or type(stream) is cp.cuda.ExternalStream:
             return stream
-        return _external(stream, "stream") if torch is not None and type(stream) is torch.cuda.Stream else None
+        ours = torch is not None and type(stream) is torch.cuda.Stream and stream.device_index == device_id
+        return _external(stream, "stream") if ours else None
     if x.get_device() != device_id:
         return None
     current = torch.cuda.current_stream(device_id)
-    if stream is not None and (type(stream) is not torch.cuda.Stream or stream.cuda_stream != current.cuda_stream):
+    if stream is not None and (
+        type(stream) is not torch.cuda.Stream
+        or stream.cuda_stream != current.cuda_stream
+        or stream.device_index != device_id
+    ):
         return None
     return _external(current, "x")
 

@@ -25,11 +25,18 @@ from ringcomm.communicator import Communicator
 from ringcomm.ops import bfloat16
 
 ROUNDS = 4
+made: list[Tensor] = []  # every tensor of a round: none may be imported by DLPack on a lane
+
+
+def view(data: cupy.ndarray, **kw) -> Tensor:
+    """A PyTorch CUDA tensor over ``data``."""
+    made.append(Tensor(data, **kw))
+    return made[-1]
 
 
 def tensor(values: np.ndarray, **kw) -> Tensor:
     """A PyTorch CUDA tensor holding ``values``, written by PyTorch's kernel on its current stream."""
-    t = Tensor(cupy.empty(values.shape, values.dtype), **kw)
+    t = view(cupy.empty(values.shape, values.dtype), **kw)
     torch_writes(t.data, values)
     return t
 
@@ -49,7 +56,7 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
         out = poisoned(count, dtype)
         with _torch_stream._stream:  # (PyTorch's copy of x's shard into its place, on its stream)
             out.data[lo:hi] = x.data[lo:hi]
-        return comm.all_gather(Tensor(out.data[lo:hi]), out=out)
+        return comm.all_gather(view(out.data[lo:hi]), out=out)
 
     # name: (the call on the PyTorch tensor x, the host path's on x's values)
     cases = {
@@ -58,12 +65,17 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
             lambda x: comm.all_reduce(x, "max", out=poisoned(count, dtype), stream=current),
             lambda v: host.all_reduce(v.copy(), "max"),
         ),
-        "reduce_scatter into out": (
-            lambda x: comm.reduce_scatter(x, out=poisoned(hi - lo, dtype)),
-            lambda v: host.reduce_scatter(v),
+        "all_reduce min in place, 2-D": (
+            lambda x: comm.all_reduce(view(x.data.reshape(1, count)), "min"),
+            lambda v: host.all_reduce(v.copy(), "min"),
+        ),
+        "reduce_scatter": (lambda x: comm.reduce_scatter(x), lambda v: host.reduce_scatter(v)),
+        "reduce_scatter max into out": (
+            lambda x: comm.reduce_scatter(x, "max", out=poisoned(hi - lo, dtype)),
+            lambda v: host.reduce_scatter(v, "max"),
         ),
         "all_gather": (
-            lambda x: comm.all_gather(Tensor(x.data[lo:hi]), out=poisoned(count, dtype)),
+            lambda x: comm.all_gather(view(x.data[lo:hi]), out=poisoned(count, dtype)),
             lambda v: host.all_gather(v[lo:hi].copy(), out=np.empty_like(v)),
         ),
         "all_gather in place": (gather_in_place, lambda v: host.all_gather(v[lo:hi].copy(), out=np.empty_like(v))),
@@ -83,29 +95,36 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
         for name, (call, host_call) in cases.items():
             what = f"{dtype} round {i}, {name}"
             values = rng.standard_normal(count).astype(dtype)
+            made.clear()
             x = tensor(values)
             got, want = call(x), host_call(values)
             if (got is None) != (want is None):
                 errors.append(f"{what}: returned {got!r}")
                 continue
-            if got is not None:
-                seen = torch_reads(got.data)  # (PyTorch's next kernel, on its stream)
+            if got is not None:  # (reduce_scatter's fresh result: a CuPy array, as the full path's)
+                seen = torch_reads(got.data if isinstance(got, Tensor) else got)  # (PyTorch's next kernel)
                 if seen.tobytes() != want.tobytes():
                     errors.append(f"{what}: {seen[:3]} differs from the host path's {want[:3]}")
             ex = ex or next(iter(comm._executors.values()))
             if ex.last.stream.ptr != current.cuda_stream:
                 errors.append(f"{what}: the kernel went on stream {ex.last.stream.ptr}, not PyTorch's current")
-            if i and x.dlpack_streams:  # (on the lane: no DLPack import)
-                errors.append(f"{what}: x.__dlpack__ was called on the lane ({x.dlpack_streams})")
-    if full != [name.split()[0] for name in cases]:  # (the first round's calls only)
+            imported = [t.dlpack_streams for t in made if t.dlpack_streams]
+            if i and imported:  # (on the lane: no DLPack import of x, out or the shard)
+                errors.append(f"{what}: __dlpack__ was called on the lane ({imported})")
+            elif not i and not imported:
+                errors.append(f"{what}: the full path imported nothing by DLPack")
+    if full != [name.split()[0].strip(",") for name in cases]:  # (the first round's calls only)
         errors.append(f"{dtype}: the full path ran {full}, expected the first round's calls alone")
     return errors
 
 
 def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
     """What the lanes leave to the full path: ``stream=`` another PyTorch stream (its DLPack exchange
-    orders that stream after PyTorch's current one), a tensor that requires grad or lies on another
-    device (PyTorch's BufferErrors, before any communication)."""
+    orders that stream after PyTorch's current one), a tensor that requires grad (PyTorch's
+    BufferError), is nested (its RuntimeError), lies on another device or is given a stream of
+    another device of the same handle (CuPy's RuntimeError for that stream, as on a GPU), all
+    before any communication. And a CuPy array on ``stream=`` PyTorch's current stream: its lane,
+    on that stream."""
     n, errors, before = MPI.COMM_WORLD.size, [], len(full)
     mine = TorchStream(cupy.cuda.Stream(non_blocking=True))
     values = np.full(64, MPI.COMM_WORLD.rank + 1, np.float32)
@@ -117,14 +136,31 @@ def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
             errors.append(f"stream= another torch stream: {x.data._np()[:3]}, __dlpack__ {x.dlpack_streams}")
     if len(full) != before + 2:
         errors.append(f"stream= another torch stream: {len(full) - before} full-path calls of 2")
-    for kw, why in (({"requires_grad": True}, "require gradient"), ({"device_index": 1}, "different CUDA device")):
+    refused = (  # (the tensor's, the call's keywords)
+        ({"requires_grad": True}, {}, BufferError, "require gradient"),
+        ({"device_index": 1}, {}, RuntimeError, "does not match with the current device"),
+        ({}, {"stream": torch.cuda.current_stream(1)}, RuntimeError, "does not match with the current device"),
+        ({"is_nested": True}, {}, RuntimeError, "NestedTensorImpl"),
+    )
+    for kw, call_kw, error, why in refused:
         for _ in range(2):  # (the second like the first: still refused)
             try:
-                comm.all_reduce(tensor(values, **kw))
-                errors.append(f"a tensor with {kw}: all_reduce ran")
-            except BufferError as e:
+                comm.all_reduce(tensor(values, **kw), **call_kw)
+                errors.append(f"a tensor with {kw}, all_reduce with {call_kw}: it ran")
+            except error as e:
                 if why not in str(e):
-                    errors.append(f"a tensor with {kw}: {e}")
+                    errors.append(f"a tensor with {kw}, all_reduce with {call_kw}: {e}")
+    current, before = torch.cuda.current_stream(0), len(full)
+    for _ in range(3):
+        x = cupy.asarray(values)
+        cupy.cuda.Device().synchronize()
+        comm.all_reduce(x, stream=current)
+        current.synchronize()
+        ex = next(iter(comm._executors.values()))
+        if (x._np() != n * (n + 1) // 2).any() or ex.last.stream.ptr != current.cuda_stream:
+            errors.append(f"a CuPy array on stream= torch's current: {x._np()[:3]}, on {ex.last.stream.ptr}")
+    if len(full) != before:  # (the all-reduce of 64 float32 in place ran above: its lane)
+        errors.append(f"a CuPy array on stream= torch's current: {len(full) - before} full-path calls of 0")
     return errors
 
 

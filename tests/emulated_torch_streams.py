@@ -30,10 +30,11 @@ from ringcomm.ops import bfloat16
 
 # ----------------------------------------------------------------------------------- fake torch
 class TorchStream:
-    """torch.cuda.Stream: ``cuda_stream`` (the cudaStream_t as an int), ``device_index``."""
+    """torch.cuda.Stream: ``cuda_stream`` (the cudaStream_t as an int), ``device_index``; equal to
+    another of the same stream and device (``torch.cuda.current_stream()`` makes a new one each call)."""
 
-    def __init__(self, stream: cupy.cuda.Stream) -> None:
-        self._stream, self.cuda_stream, self.device_index = stream, stream.ptr, 0
+    def __init__(self, stream: cupy.cuda.Stream, device_index: int = 0) -> None:
+        self._stream, self.cuda_stream, self.device_index = stream, stream.ptr, device_index
 
     def wait_event(self, event: TorchEvent) -> None:
         self._stream.wait_event(event._event)
@@ -42,7 +43,9 @@ class TorchStream:
         self._stream.synchronize()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchStream) and other.cuda_stream == self.cuda_stream
+        if not isinstance(other, TorchStream):
+            return False
+        return (other.cuda_stream, other.device_index) == (self.cuda_stream, self.device_index)
 
     __hash__ = None
 
@@ -82,12 +85,15 @@ _DTYPES.update({name: dtype(name) for name in ("uint16", "int32", "uint32", "int
 class Tensor:
     """A CUDA tensor over emulated device memory (``data``, a CuPy array), as PyTorch exports one:
     ``dtype``, ``layout``, ``requires_grad``, ``is_contiguous()``, ``data_ptr()``, ``numel()``,
-    ``get_device()`` as PyTorch's, and ``__dlpack__`` refusing what PyTorch's refuses (a tensor
-    that requires grad, one on another device than the current one) with its BufferErrors."""
+    ``get_device()``, ``is_nested`` as PyTorch's, and ``__dlpack__`` refusing what PyTorch's refuses
+    (a tensor that requires grad, not strided, nested, on another device than the current one; a
+    stream not an int, or 2) with its errors."""
 
-    def __init__(self, data: cupy.ndarray, requires_grad: bool = False, device_index: int = 0) -> None:
+    def __init__(
+        self, data: cupy.ndarray, requires_grad: bool = False, device_index: int = 0, is_nested: bool = False
+    ) -> None:
         self.data, self.dlpack_streams = data, []
-        self.is_cuda, self.requires_grad, self.layout = True, requires_grad, strided
+        self.is_cuda, self.requires_grad, self.layout, self.is_nested = True, requires_grad, strided, is_nested
         self.device = types.SimpleNamespace(type="cuda", index=device_index)
         self.dtype = _DTYPES[data.dtype.name]
 
@@ -116,17 +122,25 @@ class Tensor:
         }
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (KDL_CUDA, 0)
+        return (KDL_CUDA, self.device.index)
 
     def __dlpack__(self, *, stream=-1, max_version=None, dl_device=None, copy=None):
         self.dlpack_streams.append(stream)
         if self.requires_grad:
             raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        if self.layout is not strided:
+            raise BufferError("Can't export tensors with layout other than torch.strided")
+        if self.is_nested:  # (a nested tensor's layout is strided, its numel and data_ptr its buffer's)
+            raise RuntimeError("Internal error: NestedTensorImpl doesn't support sizes. Please file an issue.")
         if self.device.index != cupy.cuda.runtime.getDevice():
             raise BufferError("Can't export tensors on a different CUDA device index.")
+        if stream is not None and type(stream) is not int:
+            raise TypeError("stream must be ``int`` or ``none``")
+        if stream == 2:
+            raise BufferError("per-thread default stream is not supported.")
         if stream != -1:
             consumer = _default_stream if stream in (None, 1) else TorchExternalStream(stream)
-            current = _torch_stream
+            current = torch.cuda.current_stream()
             if consumer != current:  # "Only synchronize on different streams"
                 event = TorchEvent()
                 event.record(current)
@@ -142,6 +156,11 @@ class Tensor:
         return producer.__dlpack__(max_version=max_version)
 
 
+def _index(device: object) -> int:
+    """A device argument's index: None (the current device, 0 here), an int, or a torch.device."""
+    return 0 if device is None else device if isinstance(device, int) else device.index
+
+
 torch = types.ModuleType("torch")
 torch.Tensor, torch.dtype, torch.strided, torch.sparse_coo = Tensor, dtype, strided, sparse_coo
 for _name, _dtype in _DTYPES.items():
@@ -150,8 +169,8 @@ torch.cuda = types.SimpleNamespace(
     Stream=TorchStream,
     ExternalStream=TorchExternalStream,
     Event=TorchEvent,
-    current_stream=lambda device=None: _torch_stream,
-    default_stream=lambda device=None: _default_stream,
+    current_stream=lambda device=None: TorchStream(_torch_stream._stream, _index(device)),
+    default_stream=lambda device=None: TorchStream(_default_stream._stream, _index(device)),
 )
 sys.modules["torch"] = torch
 

@@ -835,15 +835,31 @@ def _stream_device(stream: Stream) -> int:
     return dev
 
 
-def ExternalStream(ptr: int, device_id: int = -1) -> Stream:  # noqa: N802 - CuPy's class
+class ExternalStream:
     """``cupy.cuda.ExternalStream(ptr, device_id=-1)``: a stream made elsewhere (e.g. by PyTorch),
-    known by its handle. Here: the emulated stream with that handle itself (1, legacy, and 2,
-    per-thread, name the null stream), so that work queued through either is one queue."""
-    ptr = int(ptr)
-    stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
-    if stream is None:
-        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
-    return stream
+    known by its handle; a type of its own, as CuPy's (not a Stream). Here its work goes to the
+    emulated stream with that handle (1, legacy, and 2, per-thread, name the null stream), so that
+    work queued through either is one queue: every attribute but ``device_id`` is that stream's.
+    ``device_id``: the device given, or the current one (CuPy's), checked by ``with`` and ``use()``."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        ptr = int(ptr)
+        stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
+        if stream is None:
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
+        object.__setattr__(self, "_stream", stream)
+        object.__setattr__(self, "device_id", _current_device() if device_id < 0 else int(device_id))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._stream, name, value)
+
+    use, __enter__, __exit__ = Stream.use, Stream.__enter__, Stream.__exit__
+
+    def __repr__(self) -> str:
+        return f"<ExternalStream {self.ptr} (device {self.device_id})>"
 
 
 def _stall(stream: Stream) -> None:
