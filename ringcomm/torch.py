@@ -254,9 +254,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _done(self, result: list, device: torch.device | None) -> Work:
         return Work(result, device, self.comm if device is not None and device.type == "cuda" else None)
 
-    def _kw(self, t: torch.Tensor) -> dict:
-        return {"stream": torch.cuda.current_stream(t.device)} if t.is_cuda else {}
-
     def _buffer(self, role: str, like: torch.Tensor, count: int, zero: bool = False) -> torch.Tensor:
         """``count`` elements of a scratch tensor of ``like``'s dtype and device, kept for reuse (the
         same address call after call: ringcomm's cached plans are found by address); ``zero``: a
@@ -286,7 +283,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 self.comm.all_reduce(_array(t), op)
                 continue
             with _Contiguous(t) as c:
-                self.comm.all_reduce(_array(c), op, **self._kw(c))
+                self.comm.all_reduce(_array(c), op)
         return self._done(ts, ts[0].device if ts else None)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
@@ -298,12 +295,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         for group in _by_kind(ts):
             if len(group) == 1:
                 with _Contiguous(group[0]) as c:
-                    self.comm.all_reduce(_array(c), op, **self._kw(c))
+                    self.comm.all_reduce(_array(c), op)
                 continue
             flat = self._buffer("coalesced", group[0], sum(t.numel() for t in group))
             with torch.no_grad():
                 torch.cat([t.detach().reshape(-1) for t in group], out=flat)
-                self.comm.all_reduce(_array(flat), op, **self._kw(flat))
+                self.comm.all_reduce(_array(flat), op)
                 at = 0
                 for t in group:
                     t.copy_(flat[at : at + t.numel()].view_as(t))
@@ -319,7 +316,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             _reducible(t, "reduce")
         for t in ts:
             with _Contiguous(t, back=self.comm.rank == root) as c:
-                self.comm.reduce(_array(c), op, root, **self._kw(c))
+                self.comm.reduce(_array(c), op, root)
         return self._done(ts, ts[0].device if ts else None)
 
     # ---------------------------------------------------------------------------------- broadcast
@@ -331,7 +328,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"broadcast: rootTensor must be 0 (one tensor per rank); got {opts.rootTensor}")
         for t in ts:
             with _Contiguous(t, back=self.comm.rank != root) as c:
-                self.comm.broadcast(_array(c), root, **self._kw(c))
+                self.comm.broadcast(_array(c), root)
         return self._done(ts, ts[0].device if ts else None)
 
     # -------------------------------------------------------------------------------- all-gathers
@@ -381,7 +378,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         with torch.no_grad():
             with _Contiguous(inp, back=False) as c:
                 buf[r * mp : r * mp + sizes[r]].copy_(self._bytes(c).reshape(-1))
-            self.comm.all_gather(_array(buf[r * mp : (r + 1) * mp]), out=_array(buf), **self._kw(buf))
+            self.comm.all_gather(_array(buf[r * mp : (r + 1) * mp]), out=_array(buf))
             for i, (o, m) in enumerate(zip(outs, sizes)):
                 with _Contiguous(o) as oc:
                     self._bytes(oc).reshape(-1).copy_(buf[i * mp : i * mp + m])
@@ -419,7 +416,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 m = _count(inp)
                 if m % ALIGN == 0 or n == 1:  # ringcomm's shards are the tensor's: straight into out
                     with _Contiguous(out) as oc, _Contiguous(inp, back=False) as ic:
-                        self.comm.all_gather(_array(ic), out=_array(oc), **self._kw(oc))
+                        self.comm.all_gather(_array(ic), out=_array(oc))
                     continue
             sizes = [_count(inp) for _, inp in group]
             mp = _padded(sum(sizes))
@@ -430,7 +427,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                     with _Contiguous(inp, back=False) as ic:
                         buf[at : at + m].copy_(self._bytes(ic).reshape(-1))
                     at += m
-                self.comm.all_gather(_array(buf[r * mp : (r + 1) * mp]), out=_array(buf), **self._kw(buf))
+                self.comm.all_gather(_array(buf[r * mp : (r + 1) * mp]), out=_array(buf))
                 rows, at = buf.view(n, mp), 0
                 for (out, _), m in zip(group, sizes):
                     with _Contiguous(out) as oc:
@@ -478,7 +475,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             for i, t in enumerate(ins):
                 buf[i * mp : i * mp + t.numel()].copy_(t.reshape(-1))
                 buf[i * mp + t.numel() : (i + 1) * mp].zero_()
-            self.comm.reduce_scatter(_array(buf), op, out=_array(res), **self._kw(buf))
+            self.comm.reduce_scatter(_array(buf), op, out=_array(res))
             out.copy_(res[: out.numel()].view_as(out))
         return self._done([out], out.device)
 
@@ -497,7 +494,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 out, inp = group[0]
                 if out.numel() % ALIGN == 0 or n == 1:  # ringcomm's shards are the tensor's
                     with _Contiguous(out) as oc, _Contiguous(inp, back=False) as ic:
-                        self.comm.reduce_scatter(_array(ic), op, out=_array(oc), **self._kw(oc))
+                        self.comm.reduce_scatter(_array(ic), op, out=_array(oc))
                     continue
             sizes = [out.numel() for out, _ in group]
             mp = _padded(sum(sizes))
@@ -509,7 +506,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                     rows[:, at : at + m].copy_(inp.reshape(n, m))
                     at += m
                 rows[:, at:].zero_()  # (the padding: reduced, never read; kept finite)
-                self.comm.reduce_scatter(_array(buf), op, out=_array(res), **self._kw(buf))
+                self.comm.reduce_scatter(_array(buf), op, out=_array(res))
                 at = 0
                 for (out, _), m in zip(group, sizes):
                     out.copy_(res[at : at + m].view_as(out))
