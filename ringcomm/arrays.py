@@ -64,10 +64,11 @@ def classify(x: Any, name: str, stream: Any = None) -> tuple[str, Any]:
 def default_stream(x: Any, stream: Any = None, name: str = "x") -> Any:
     """The CuPy stream a collective on ``x`` runs on, or None for CuPy's current stream.
 
-    ``stream`` when given (a ``torch.cuda.Stream`` is wrapped as a ``cupy.cuda.ExternalStream``);
+    ``stream`` when given (a ``torch.cuda.Stream`` as a CuPy stream over it: :func:`_external`);
     else, for a PyTorch CUDA tensor, PyTorch's current stream on the tensor's device, so that the
     collective is ordered after the kernels PyTorch queued before the call and before those it
     queues after. PyTorch is looked for only where it is already imported (sys.modules).
+    RuntimeError (before any communication) for a PyTorch stream of another GPU than the current one.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -77,23 +78,44 @@ def default_stream(x: Any, stream: Any = None, name: str = "x") -> Any:
             return None
         stream = torch.cuda.current_stream(x.device)
     if isinstance(stream, torch.cuda.Stream):
+        current = _cupy(name).cuda.runtime.getDevice()
+        if stream.device_index != current:
+            raise RuntimeError(
+                f"{name}: the collective's stream is PyTorch's on GPU {stream.device_index}, but the current device "
+                f"is GPU {current}: make GPU {stream.device_index} current (torch.cuda.set_device) or pass a "
+                "stream of the current one"
+            )
         return _external(stream, name)
     return stream
 
 
 def _external(stream: Any, name: str) -> Any:
-    """The ``cupy.cuda.ExternalStream`` of the ``torch.cuda.Stream`` ``stream``: one per handle and
-    device, kept (at most EXTERNAL_STREAMS; it holds the handle alone, as a new one would)."""
+    """The CuPy stream over the ``torch.cuda.Stream`` ``stream`` of the current device
+    (``cupy.cuda.Stream.from_external``, CuPy 14's way: ExternalStream is deprecated), one per
+    handle and device, kept (at most EXTERNAL_STREAMS); it keeps the first such torch stream alive."""
     key = (stream.cuda_stream, stream.device_index)
     found = _external_streams.get(key)
     if found is None:
         if len(_external_streams) >= EXTERNAL_STREAMS:
             _external_streams.clear()
-        found = _external_streams[key] = _cupy(name).cuda.ExternalStream(*key)
+        found = _external_streams[key] = _cupy(name).cuda.Stream.from_external(_TorchStream(stream))
     return found
 
 
-#: the most torch streams' ExternalStreams kept (_external; past it they are dropped and made again)
+class _TorchStream:
+    """A ``torch.cuda.Stream`` as the CUDA stream protocol names it (older PyTorch versions lack
+    ``__cuda_stream__``), holding it."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.stream.cuda_stream)
+
+
+#: the most torch streams' CuPy streams kept (_external; past it they are dropped and made again)
 EXTERNAL_STREAMS = 64
 _external_streams: dict[tuple[int, int], Any] = {}
 

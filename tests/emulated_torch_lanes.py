@@ -121,8 +121,8 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
 def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
     """What the lanes leave to the full path: ``stream=`` another PyTorch stream (its DLPack exchange
     orders that stream after PyTorch's current one), a tensor that requires grad (PyTorch's
-    BufferError), is nested (its RuntimeError), lies on another device or is given a stream of
-    another device of the same handle (CuPy's RuntimeError for that stream, as on a GPU), all
+    BufferError), is nested (its RuntimeError), lies on another device, or a tensor or CuPy array
+    given a PyTorch stream of another device of the same handle (ringcomm's RuntimeError), all
     before any communication. And a CuPy array on ``stream=`` PyTorch's current stream: its lane,
     on that stream."""
     n, errors, before = MPI.COMM_WORLD.size, [], len(full)
@@ -136,20 +136,22 @@ def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
             errors.append(f"stream= another torch stream: {x.data._np()[:3]}, __dlpack__ {x.dlpack_streams}")
     if len(full) != before + 2:
         errors.append(f"stream= another torch stream: {len(full) - before} full-path calls of 2")
-    refused = (  # (the tensor's, the call's keywords)
-        ({"requires_grad": True}, {}, BufferError, "require gradient"),
-        ({"device_index": 1}, {}, RuntimeError, "does not match with the current device"),
-        ({}, {"stream": torch.cuda.current_stream(1)}, RuntimeError, "does not match with the current device"),
-        ({"is_nested": True}, {}, RuntimeError, "NestedTensorImpl"),
+    elsewhere = {"stream": torch.cuda.current_stream(1)}  # (the handle of PyTorch's current stream on GPU 0)
+    refused = (  # (what, the array, the call's keywords, the error)
+        ("requires grad", lambda: tensor(values, requires_grad=True), {}, BufferError, "require gradient"),
+        ("on GPU 1", lambda: tensor(values, device_index=1), {}, RuntimeError, "but the current device is GPU 0"),
+        ("a GPU 1 stream", lambda: tensor(values), elsewhere, RuntimeError, "but the current device is GPU 0"),
+        ("a CuPy array, a GPU 1 stream", lambda: cupy.asarray(values), elsewhere, RuntimeError, "current device"),
+        ("nested", lambda: tensor(values, is_nested=True), {}, RuntimeError, "NestedTensorImpl"),
     )
-    for kw, call_kw, error, why in refused:
+    for what, make, kw, error, why in refused:
         for _ in range(2):  # (the second like the first: still refused)
             try:
-                comm.all_reduce(tensor(values, **kw), **call_kw)
-                errors.append(f"a tensor with {kw}, all_reduce with {call_kw}: it ran")
+                comm.all_reduce(make(), **kw)
+                errors.append(f"all_reduce, {what}: it ran")
             except error as e:
                 if why not in str(e):
-                    errors.append(f"a tensor with {kw}, all_reduce with {call_kw}: {e}")
+                    errors.append(f"all_reduce, {what}: {e}")
     current, before = torch.cuda.current_stream(0), len(full)
     for _ in range(3):
         x = cupy.asarray(values)

@@ -42,6 +42,9 @@ class TorchStream:
     def synchronize(self) -> None:
         self._stream.synchronize()
 
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.cuda_stream)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TorchStream):
             return False
@@ -52,7 +55,8 @@ class TorchStream:
 
 class TorchExternalStream(TorchStream):
     def __init__(self, stream_ptr: int, device: object = None) -> None:
-        super().__init__(cupy.cuda.ExternalStream(stream_ptr))
+        handle = types.SimpleNamespace(__cuda_stream__=lambda: (0, stream_ptr))
+        super().__init__(cupy.cuda.Stream.from_external(handle))
 
 
 class TorchEvent:

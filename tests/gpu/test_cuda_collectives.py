@@ -587,9 +587,11 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     (ex,) = comm._executors.values()
     assert ex.last.stream is s  # (the lane's kernel went on s)
     kept = cupy.cuda.Stream(non_blocking=True)
-    other = cupy.cuda.ExternalStream(kept.ptr)
-    comm.broadcast(y, root=n - 1, stream=other)  # (an ExternalStream: the lane too, on it)
-    assert ex.last.stream is other
+    with pytest.warns(DeprecationWarning):  # (CuPy 14 deprecates it, for Stream.from_external)
+        external = cupy.cuda.ExternalStream(kept.ptr)
+    for other in (external, cupy.cuda.Stream.from_external(kept)):
+        comm.broadcast(y, root=n - 1, stream=other)  # (a stream over kept's handle: the lane too, on it)
+        assert ex.last.stream is other
     comm.all_reduce(x, out=y, stream=s)
     s.synchronize()
     assert (host(y) == n * (n - 1) // 2).all() and len(full) == len(cases) + 4

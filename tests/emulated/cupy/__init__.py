@@ -74,6 +74,7 @@ import random
 import threading
 import time
 import types
+import warnings
 import weakref
 
 import numpy as np
@@ -739,6 +740,39 @@ class Stream:
     def __repr__(self) -> str:
         return f"<Stream {self.ptr} (device {self.device_id})>"
 
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: (version 0, the handle)."""
+        return (0, self.ptr)
+
+    @classmethod
+    def from_external(cls, obj) -> Stream:
+        """CuPy 14's ``Stream.from_external(obj)``: a Stream over the stream that ``obj`` names by
+        the CUDA stream protocol (``obj.__cuda_stream__()``, (0, handle)), with CuPy's refusals.
+        Here it shares the whole state of the emulated stream of that handle (1, legacy, and 2,
+        per-thread, name the null stream), so that work queued through either is one queue; its
+        device_id is that stream's (CuPy's is the current device, the same but for the null
+        stream's -1, which means the current device), and ``obj`` is not held."""
+        try:
+            result = obj.__cuda_stream__()
+        except AttributeError:
+            raise AttributeError(
+                f"Object of type {type(obj).__name__} does not implement the CUDA stream protocol "
+                "(__cuda_stream__ method)"
+            ) from None
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(f"__cuda_stream__() must return a 2-tuple of (version, stream_ptr), got {result!r}")
+        version, ptr = result
+        if not isinstance(version, int) or not isinstance(ptr, int):
+            raise TypeError(f"__cuda_stream__() must return (int, int), got {result!r}")
+        if version != 0:
+            raise ValueError(f"__cuda_stream__() returned unsupported version {version}, only version 0 is supported")
+        base = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
+        if base is None:
+            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
+        stream = cls.__new__(cls)
+        stream.__dict__ = base.__dict__  # (one state: its queue, capture, last ring kernel)
+        return stream
+
     @property
     def done(self) -> bool:
         """cudaStreamQuery: runs what can run, never blocks (False while a ring kernel ahead runs)."""
@@ -837,18 +871,25 @@ def _stream_device(stream: Stream) -> int:
 
 class ExternalStream:
     """``cupy.cuda.ExternalStream(ptr, device_id=-1)``: a stream made elsewhere (e.g. by PyTorch),
-    known by its handle; a type of its own, as CuPy's (not a Stream). Here its work goes to the
-    emulated stream with that handle (1, legacy, and 2, per-thread, name the null stream), so that
-    work queued through either is one queue: every attribute but ``device_id`` is that stream's.
-    ``device_id``: the device given, or the current one (CuPy's), checked by ``with`` and ``use()``."""
+    known by its handle; a type of its own, as CuPy's (not a Stream), deprecated since CuPy 14 (a
+    DeprecationWarning: Stream.from_external instead). Here its work goes to the emulated stream
+    with that handle (1, legacy, and 2, per-thread, name the null stream), so that work queued
+    through either is one queue: every attribute but ``device_id`` is that stream's. ``device_id``:
+    the device given, or -1 (unknown, as CuPy's), checked by ``with`` and ``use()``."""
 
     def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn(
+            "ExternalStream is deprecated. Use Stream.from_external() instead to interoperate with external "
+            "streams that implement the CUDA stream protocol.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         ptr = int(ptr)
         stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
         if stream is None:
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
         object.__setattr__(self, "_stream", stream)
-        object.__setattr__(self, "device_id", _current_device() if device_id < 0 else int(device_id))
+        object.__setattr__(self, "device_id", int(device_id))
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
