@@ -1,12 +1,15 @@
 """Where a GPU collective's host time goes, per transport and size: ``mpiexec -n 2 python benchmarks/gpu_host_cost.py``.
 
     mpiexec -n N python benchmarks/gpu_host_cost.py [--transports ipc staged kernel] [--collectives all_reduce ...]
-                                                     [--sizes 8 64K 1M] [--iters 200] [--top K] [--json out.json]
+                                                     [--sizes 8 64K 1M] [--iters 200] [--arrays cupy|torch]
+                                                     [--top K] [--json out.json]
 
 For each transport (RINGCOMM_TRANSPORT, one Communicator each), size and collective (``--collectives``:
 all_reduce by default, or any of all_reduce, reduce_scatter, all_gather, broadcast, reduce): a float32 call
 out of place (broadcast: in place; the root rank 0; the size is the whole buffer's), called back to
-back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end);
+back (``--iters`` calls after 20 warm-up ones, the stream synchronized at the end), on CuPy arrays or
+(``--arrays torch``) PyTorch CUDA tensors over the same memory (``torch.from_dlpack``), which run on
+PyTorch's current stream;
 ``us/call`` is the slowest rank's mean wall time per call. ``in call``: the slowest rank's mean time
 inside the call itself, each call made on an idle stream (synchronized after it, outside the timing): the
 host time a call costs (all of it where the call waits for the GPU; the checks and the launch alone where
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives", nargs="+", default=["all_reduce"], choices=sorted(CALLS))
     p.add_argument("--sizes", nargs="+", default=["8", "64K", "1M"], help="buffer sizes in bytes (K/M/G suffixes)")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--arrays", choices=["cupy", "torch"], default="cupy", help="what the calls are given")
     p.add_argument("--top", type=int, default=0, metavar="K", help="list rank 0's K functions of most own time")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -136,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     cp.cuda.Device(node.rank % cp.cuda.runtime.getDeviceCount()).use()
     n, r = world.size, world.rank
-    stream = cp.cuda.get_current_stream()
+    if args.arrays == "torch":
+        import torch
+
+        wrap, stream = torch.from_dlpack, torch.cuda.current_stream()  # (the calls' stream)
+    else:
+        wrap, stream = (lambda a: a), cp.cuda.get_current_stream()
     rows = []
     for name in args.transports:
         os.environ["RINGCOMM_TRANSPORT"] = name  # read when the communicator first picks a GPU transport
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         for size, collective in ((s, c) for s in map(parse_size, args.sizes) for c in args.collectives):
             count = max(size // 4, 1)
             base = (np.arange(count) % 7).astype(np.float32)
-            call, wrongs, steps = CALLS[collective](comm, cp, base, n * base + n * (n - 1) // 2)
+            call, wrongs, steps = CALLS[collective](comm, cp, base, n * base + n * (n - 1) // 2, wrap)
+            cp.cuda.Device().synchronize()  # (the inputs written before the calls, whatever their stream)
             ran = comm.transport_name(cp.empty(1, cp.float32))
             algorithm = "via host" if comm._via_host("cuda", count * 4) else "ring"  # (the collectives' rule)
             if n > 1 and comm._transport("cuda").kernel:
@@ -184,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "transport": name,
                     "collective": collective,
+                    "arrays": args.arrays,
                     "ran": ran,
                     "ranks": n,
                     "bytes": count * 4,
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ["RINGCOMM_TRANSPORT"]
     if r == 0:
         print(
-            f"# GPU host time of {', '.join(args.collectives)}, float32, {n} ranks, {args.iters} calls; "
+            f"# GPU host time of {', '.join(args.collectives)}, float32 {args.arrays} arrays, {n} ranks, "
+            f"{args.iters} calls; "
             f"per side: rank 0's profiled share of the call (us per step)"
         )
         head = (
@@ -251,40 +263,47 @@ def python_alone(comm, call, calls: int) -> float:
         CudaDevice.after, CudaDevice.record = after, record
 
 
-def _all_reduce(comm, cp, base, total):
+def _all_reduce(comm, cp, base, total, wrap):
     """(the call, its wrong elements on this rank once it ran, the ring's steps) of each collective:
     every rank's input is ``base`` + its rank (``base``: i % 7, float32), so every result is exact,
-    ``total`` the sum over the ranks."""
+    ``total`` the sum over the ranks. The call is given ``wrap`` of the CuPy arrays (the same memory),
+    the check reads those."""
     x, out = cp.asarray(base + comm.rank), cp.empty(base.size, cp.float32)
-    return lambda: comm.all_reduce(x, out=out), lambda: int((cp.asnumpy(out) != total).sum()), 2 * (comm.size - 1)
+    wx, wout = wrap(x), wrap(out)
+    return lambda: comm.all_reduce(wx, out=wout), lambda: int((cp.asnumpy(out) != total).sum()), 2 * (comm.size - 1)
 
 
-def _reduce_scatter(comm, cp, base, total):
+def _reduce_scatter(comm, cp, base, total, wrap):
     lo, hi = comm.shard_bounds(base.size)[comm.rank]
     x, out = cp.asarray(base + comm.rank), cp.empty(hi - lo, cp.float32)
-    return lambda: comm.reduce_scatter(x, out=out), lambda: int((cp.asnumpy(out) != total[lo:hi]).sum()), comm.size - 1
+    wx, wout = wrap(x), wrap(out)
+    wrong = lambda: int((cp.asnumpy(out) != total[lo:hi]).sum())  # noqa: E731
+    return lambda: comm.reduce_scatter(wx, out=wout), wrong, comm.size - 1
 
 
-def _all_gather(comm, cp, base, total):
+def _all_gather(comm, cp, base, total, wrap):
     bounds = comm.shard_bounds(base.size)
     lo, hi = bounds[comm.rank]
     shard, out = cp.asarray(base[lo:hi] + comm.rank), cp.empty(base.size, cp.float32)
+    wshard, wout = wrap(shard), wrap(out)
     want = base.copy()
     for k, (a, b) in enumerate(bounds):
         want[a:b] += k
-    return lambda: comm.all_gather(shard, out=out), lambda: int((cp.asnumpy(out) != want).sum()), comm.size - 1
+    return lambda: comm.all_gather(wshard, out=wout), lambda: int((cp.asnumpy(out) != want).sum()), comm.size - 1
 
 
-def _broadcast(comm, cp, base, total):
+def _broadcast(comm, cp, base, total, wrap):
     x = cp.asarray(base + comm.rank)
-    return lambda: comm.broadcast(x, root=0), lambda: int((cp.asnumpy(x) != base).sum()), comm.size - 1
+    wx = wrap(x)
+    return lambda: comm.broadcast(wx, root=0), lambda: int((cp.asnumpy(x) != base).sum()), comm.size - 1
 
 
-def _reduce(comm, cp, base, total):
+def _reduce(comm, cp, base, total, wrap):
     x = cp.asarray(base + comm.rank)
     out = cp.empty(base.size, cp.float32) if comm.rank == 0 else None
+    wx, wout = wrap(x), None if out is None else wrap(out)
     wrong = lambda: 0 if out is None else int((cp.asnumpy(out) != total).sum())  # noqa: E731
-    return lambda: comm.reduce(x, root=0, out=out), wrong, comm.size - 1
+    return lambda: comm.reduce(wx, root=0, out=wout), wrong, comm.size - 1
 
 
 #: per collective: (call, wrong elements, steps) for a communicator and a count (the chain's steps of

@@ -4,8 +4,11 @@ Run by tests/test_torch_dlpack.py with tests/emulated first on PYTHONPATH (the C
 whose streams are lazy: queued work runs only when something waits for it) and
 RINGCOMM_EMULATED_HARNESS set. A fake ``torch`` module stands in for PyTorch's CUDA side with
 PyTorch's signatures and behaviour: ``torch.cuda.current_stream(device)`` (a non-blocking stream,
-as PyTorch's pool streams are, so not ordered with the null stream), ``Stream.cuda_stream`` and
-``device_index``, ``torch.cuda.ExternalStream(ptr)``, ``Event``, and a ``torch.Tensor`` whose
+as PyTorch's pool streams are, so not ordered with the null stream; a new Stream object each
+call), ``Stream.cuda_stream``, ``device_index`` and ``__cuda_stream__``,
+``torch.cuda.ExternalStream(ptr)``, ``Event``, ``torch.from_dlpack`` of a CuPy array (a tensor over
+its memory; tests/emulated_torch_lanes.py and benchmarks/gpu_host_cost.py ``--arrays torch`` use
+this module as ``torch`` too), and a ``torch.Tensor`` whose
 ``__cuda_array_interface__`` is version 2 without a "stream" key (raising TypeError for
 bfloat16, as PyTorch's does) and whose ``__dlpack__(*, stream=-1, max_version, dl_device, copy)``
 makes the consumer's stream wait on PyTorch's current stream unless they are the same stream
@@ -167,6 +170,7 @@ def _index(device: object) -> int:
 
 torch = types.ModuleType("torch")
 torch.Tensor, torch.dtype, torch.strided, torch.sparse_coo = Tensor, dtype, strided, sparse_coo
+torch.from_dlpack = Tensor  # (of a CuPy array: a tensor over its memory)
 for _name, _dtype in _DTYPES.items():
     setattr(torch, _name, _dtype)
 torch.cuda = types.SimpleNamespace(

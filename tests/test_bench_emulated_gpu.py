@@ -599,6 +599,27 @@ def test_gpu_host_cost_measures_every_transport_and_ringcomms_python_on_a_kernel
 
 
 @emulated_gpu
+def test_gpu_host_cost_on_pytorch_tensors(gpu_env, tmp_path):
+    """benchmarks/gpu_host_cost.py --arrays torch at N = 2 (the fake torch of tests/emulated_torch_streams.py):
+    every collective on PyTorch CUDA tensors over the checked CuPy arrays, every result right (wrong 0),
+    ringcomm's Python measured on the kernel ring (the tensors' kernel lanes)."""
+    path = tmp_path / "cost.json"
+    fake = "import emulated_torch_streams, runpy, sys; sys.argv[0] = 'gpu_host_cost.py'; "
+    fake += "runpy.run_path('benchmarks/gpu_host_cost.py', run_name='__main__')"
+    cmd = ["mpiexec", "-n", "2", "python", "-c", fake, "--transports", "kernel", "--arrays", "torch"]
+    cmd += ["--sizes", "8", "--iters", "5", "--json", str(path)]
+    cmd += ["--collectives", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+    run = run_emulated(gpu_env, cmd, 240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["arrays"], r["collective"], r["wrong"]) for r in rows] == [
+        ("torch", c, 0) for c in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+    ]
+    assert all(r["python_us_per_call"] > 0 for r in rows), rows
+    assert "float32 torch arrays" in run.stdout.splitlines()[0], run.stdout
+
+
+@emulated_gpu
 def test_graph_replay_times_eager_and_replayed_calls_and_checks_every_result(gpu_env, tmp_path):
     """benchmarks/graph_replay.py at N = 2: ringcomm's ring kernel eagerly and replayed from a CUDA graph,
     every result checked (#wrong 0); NCCL eagerly, and its capture refused with the emulated GPU's reason
