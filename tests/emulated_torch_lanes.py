@@ -17,6 +17,7 @@ import sys
 
 import cupy
 import numpy as np
+from conftest import shared_seed
 from emulated_torch_streams import Tensor, TorchStream, _torch_stream, torch, torch_reads, torch_writes
 from mpi4py import MPI
 
@@ -89,7 +90,7 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
         ),
     }
     errors = []
-    rng = np.random.default_rng(mpi.bcast(int(np.random.default_rng().integers(1 << 31))) + r)
+    rng = np.random.default_rng(shared_seed(mpi) + r)
     ex = None
     for i in range(ROUNDS):
         for name, (call, host_call) in cases.items():

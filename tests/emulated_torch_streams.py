@@ -84,9 +84,9 @@ class dtype:  # noqa: N801 - torch's name
         return f"torch.{self.name}"
 
 
-strided, sparse_coo = object(), object()  # torch.layout's values
-_DTYPES = {name: dtype(name) for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16")}
-_DTYPES.update({name: dtype(name) for name in ("uint16", "int32", "uint32", "int64", "uint64", "bool")})
+strided = object()  # torch.layout's strided
+_DTYPES = {name: dtype(name) for name in "float16 bfloat16 float32 float64 bool".split()}
+_DTYPES.update((name, dtype(name)) for bits in (8, 16, 32, 64) for name in (f"int{bits}", f"uint{bits}"))
 
 
 class Tensor:
@@ -169,7 +169,7 @@ def _index(device: object) -> int:
 
 
 torch = types.ModuleType("torch")
-torch.Tensor, torch.dtype, torch.strided, torch.sparse_coo = Tensor, dtype, strided, sparse_coo
+torch.Tensor, torch.dtype, torch.strided = Tensor, dtype, strided
 torch.from_dlpack = Tensor  # (of a CuPy array: a tensor over its memory)
 for _name, _dtype in _DTYPES.items():
     setattr(torch, _name, _dtype)

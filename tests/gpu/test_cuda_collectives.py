@@ -490,29 +490,25 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
     monkeypatch.setattr(Communicator, "_run", counted)
     count = 16 * n + 5  # (not a multiple of N)
     lo, hi = comm.shard_bounds(count)[r]
-    nan = np.float32("nan")
 
     def gather_into(x, in_place):
-        out = dev(np.full(count, nan, np.float32))
+        out = poisoned(count, np.float32)
         if in_place:
             out[lo:hi] = x[lo:hi]
             return comm.all_gather(out[lo:hi], out=out)
         return comm.all_gather(x[lo:hi], out=out)
 
-    def poison(size):
-        return dev(np.full(size, nan, np.float32))
-
     # name: (the GPU call on x, the host path's on x, whether x stays as it was on every rank)
     cases = {
         "all_reduce in place": (lambda x: comm.all_reduce(x), lambda x: hostcomm.all_reduce(x.copy()), False),
         "all_reduce avg into out": (
-            lambda x: comm.all_reduce(x, "avg", out=poison(count)),
+            lambda x: comm.all_reduce(x, "avg", out=poisoned(count, np.float32)),
             lambda x: hostcomm.all_reduce(x.copy(), "avg"),
             True,
         ),
         "reduce_scatter": (lambda x: comm.reduce_scatter(x), lambda x: hostcomm.reduce_scatter(x), True),
         "reduce_scatter max into out": (
-            lambda x: comm.reduce_scatter(x, "max", out=poison(hi - lo)),
+            lambda x: comm.reduce_scatter(x, "max", out=poisoned(hi - lo, np.float32)),
             lambda x: hostcomm.reduce_scatter(x, "max"),
             True,
         ),
@@ -537,7 +533,7 @@ def test_kernel_lanes_repeat_every_collective_with_its_checks_and_launch_alone(m
             r != 0,
         ),
         "reduce min into out at the last rank": (
-            lambda x: comm.reduce(x, "min", root=n - 1, out=poison(count)),
+            lambda x: comm.reduce(x, "min", root=n - 1, out=poisoned(count, np.float32)),
             lambda x: hostcomm.reduce(x, "min", root=n - 1, out=np.empty_like(x)),
             True,
         ),

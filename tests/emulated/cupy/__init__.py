@@ -766,11 +766,8 @@ class Stream:
             raise TypeError(f"__cuda_stream__() must return (int, int), got {result!r}")
         if version != 0:
             raise ValueError(f"__cuda_stream__() returned unsupported version {version}, only version 0 is supported")
-        base = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
-        if base is None:
-            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
         stream = cls.__new__(cls)
-        stream.__dict__ = base.__dict__  # (one state: its queue, capture, last ring kernel)
+        stream.__dict__ = _by_handle(ptr).__dict__  # (one state: its queue, capture, last ring kernel)
         return stream
 
     @property
@@ -869,6 +866,15 @@ def _stream_device(stream: Stream) -> int:
     return dev
 
 
+def _by_handle(ptr: int) -> Stream:
+    """The emulated stream with the handle ``ptr`` (1, legacy, and 2, per-thread, name the null
+    stream); cudaErrorInvalidResourceHandle for a handle no stream has."""
+    stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
+    if stream is None:
+        raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
+    return stream
+
+
 class ExternalStream:
     """``cupy.cuda.ExternalStream(ptr, device_id=-1)``: a stream made elsewhere (e.g. by PyTorch),
     known by its handle; a type of its own, as CuPy's (not a Stream), deprecated since CuPy 14 (a
@@ -884,11 +890,7 @@ class ExternalStream:
             DeprecationWarning,
             stacklevel=2,
         )
-        ptr = int(ptr)
-        stream = Stream.null if ptr in (1, 2) else Stream._by_ptr.get(ptr)
-        if stream is None:
-            raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: no emulated stream with handle {ptr:#x}")
-        object.__setattr__(self, "_stream", stream)
+        object.__setattr__(self, "_stream", _by_handle(int(ptr)))
         object.__setattr__(self, "device_id", int(device_id))
 
     def __getattr__(self, name: str):
