@@ -162,23 +162,24 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     """The stream a kernel lane's call on ``x`` (an array lane_buffer takes) runs on, the one the
     full path picks (default_stream), where picking it imports nothing: for a CuPy array, ``stream``
     None (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
-    ``torch.cuda.Stream`` of GPU ``device_id``; for a PyTorch tensor on GPU ``device_id``, PyTorch's
-    current stream there, taken when ``stream`` is None or that stream (torch's ``__dlpack__`` then
-    orders nothing: it makes the consumer's stream wait only for a different stream). Else None:
-    the full path imports ``x`` on its stream (or raises: a stream of another device)."""
+    ``torch.cuda.Stream`` (``ExternalStream`` too) of GPU ``device_id``; for a PyTorch tensor on GPU
+    ``device_id``, PyTorch's current stream there, taken when ``stream`` is None or a PyTorch stream
+    of that handle and device (torch's ``__dlpack__`` then orders nothing: it makes the consumer's
+    stream wait only for a different stream). Else None: the full path imports ``x`` on its stream
+    (or raises: a stream of another device)."""
     cp, torch = sys.modules["cupy"], sys.modules.get("torch")
     if type(x) is cp.ndarray:
         if stream is None:
             return cp.cuda.get_current_stream()
         if type(stream) is cp.cuda.Stream or type(stream) is cp.cuda.ExternalStream:
             return stream
-        ours = torch is not None and type(stream) is torch.cuda.Stream and stream.device_index == device_id
+        ours = torch is not None and isinstance(stream, torch.cuda.Stream) and stream.device_index == device_id
         return _external(stream, "stream") if ours else None
     if x.get_device() != device_id:
         return None
     current = torch.cuda.current_stream(device_id)
     if stream is not None and (
-        type(stream) is not torch.cuda.Stream
+        not isinstance(stream, torch.cuda.Stream)
         or stream.cuda_stream != current.cuda_stream
         or stream.device_index != device_id
     ):

@@ -52,6 +52,7 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
     count = 16 * n + 5  # (not a multiple of N)
     lo, hi = comm.shard_bounds(count)[r]
     current = torch.cuda.current_stream(0)
+    external = torch.cuda.ExternalStream(current.cuda_stream)  # (a torch.cuda.Stream of the same handle)
 
     def gather_in_place(x: Tensor) -> Tensor:
         out = poisoned(count, dtype)
@@ -65,6 +66,10 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
         "all_reduce max into out, stream= torch's current": (
             lambda x: comm.all_reduce(x, "max", out=poisoned(count, dtype), stream=current),
             lambda v: host.all_reduce(v.copy(), "max"),
+        ),
+        "all_reduce into out, stream= a torch ExternalStream of torch's current": (
+            lambda x: comm.all_reduce(x, out=poisoned(count, dtype), stream=external),
+            lambda v: host.all_reduce(v.copy()),
         ),
         "all_reduce min in place, 2-D": (
             lambda x: comm.all_reduce(view(x.data.reshape(1, count)), "min"),
@@ -124,8 +129,8 @@ def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
     orders that stream after PyTorch's current one), a tensor that requires grad (PyTorch's
     BufferError), is nested (its RuntimeError), lies on another device, or a tensor or CuPy array
     given a PyTorch stream of another device of the same handle (ringcomm's RuntimeError), all
-    before any communication. And a CuPy array on ``stream=`` PyTorch's current stream: its lane,
-    on that stream."""
+    before any communication. And a CuPy array on ``stream=`` PyTorch's current stream, or a
+    ``torch.cuda.ExternalStream`` of its handle: its lane, on that stream."""
     n, errors, before = MPI.COMM_WORLD.size, [], len(full)
     mine = TorchStream(cupy.cuda.Stream(non_blocking=True))
     values = np.full(64, MPI.COMM_WORLD.rank + 1, np.float32)
@@ -154,10 +159,10 @@ def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
                 if why not in str(e):
                     errors.append(f"all_reduce, {what}: {e}")
     current, before = torch.cuda.current_stream(0), len(full)
-    for _ in range(3):
+    for stream in (current, current, torch.cuda.ExternalStream(current.cuda_stream)):
         x = cupy.asarray(values)
         cupy.cuda.Device().synchronize()
-        comm.all_reduce(x, stream=current)
+        comm.all_reduce(x, stream=stream)
         current.synchronize()
         ex = next(iter(comm._executors.values()))
         if (x._np() != n * (n + 1) // 2).any() or ex.last.stream.ptr != current.cuda_stream:
