@@ -14,8 +14,10 @@ names no stream to order by.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -187,13 +189,27 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     return _external(current, "x")
 
 
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """CuPy stream ``stream`` current inside the block, the caller's current stream again after it.
+
+    Not ``with stream:``: leaving that block makes the stream of CuPy's enclosing ``with`` current,
+    which is not the caller's when the caller made one current by ``Stream.use()``."""
+    before = sys.modules["cupy"].cuda.get_current_stream()
+    stream.use()
+    try:
+        yield
+    finally:
+        before.use()
+
+
 def _cuda_from_dlpack(x: Any, name: str, stream: Any) -> Any:
     """``cupy.from_dlpack(x)`` with ``stream`` as CuPy's current stream: CuPy passes it to
     ``x.__dlpack__(stream=...)``, and the producer makes it wait for the producer's pending work."""
     cp = _cupy(name)
     if stream is None:
         return cp.from_dlpack(x)
-    with stream:
+    with on_stream(stream):
         return cp.from_dlpack(x)
 
 

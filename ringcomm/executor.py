@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import on_stream
 from .config import env
 from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
 from .engine import Context, bind
@@ -270,7 +271,7 @@ class RingExecutor:
         comm, cupy = self.comm, self.cupy
         seconds = min(comm.timeout, PROBE_SECONDS)
         self.setup = cupy.cuda.Stream(non_blocking=True)
-        with self.setup:
+        with on_stream(self.setup):
             table = cupy.zeros(1, cupy.int64)  # no step, no chunk: the header alone
         at = np.uint64(table.data.ptr)
         sig = signature("all_reduce", np.dtype(np.uint8), ReduceOp.SUM, -1)
@@ -423,11 +424,11 @@ class RingExecutor:
             way = None if own is None else (comm.position, own)  # (this rank's chunk: its ring place)
             host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, way)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
-            with self.setup:
+            with on_stream(self.setup):
                 table = self.cupy.asarray(host)
             self.setup.synchronize()
         else:
-            with device.stream:
+            with on_stream(device.stream):
                 table = self.cupy.asarray(host)
         k = kernel("ring.cu", f"ringcomm_ring_{_OP_NAME[op] if op is not None else 'sum'}_{SUFFIX[dtype]}")
         head = (np.uint64(table.data.ptr), np.int32(-1 if one_shot else len(steps)), np.int32(len(bounds)))

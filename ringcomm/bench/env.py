@@ -66,7 +66,11 @@ def nccl_module() -> tuple[Any, str]:
     try:
         nccl = importlib.import_module("cupy.cuda.nccl")
         if not getattr(nccl, "available", True):
-            return None, "CuPy was built without NCCL"
+            # (CuPy imports the module without its API when libnccl.so.2 cannot be loaded)
+            return None, (
+                "CuPy could not load libnccl.so.2: pip install nvidia-nccl-cu13 (nvidia-nccl-cu12 for CUDA 12), "
+                "or name one with --nccl-lib or RINGCOMM_NCCL_LIB"
+            )
         nccl.get_version()
     except Exception as e:
         return None, f"NCCL not available through CuPy ({type(e).__name__}: {e})"

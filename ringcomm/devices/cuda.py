@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import classify, on_stream
 from ..ops import FLOAT_DTYPES, HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp, bfloat16
 from .host import check_acc_operands
 
@@ -411,7 +412,7 @@ class CudaDevice:
         allocated on, and is reused only by later allocations on that stream, which are ordered
         after its last use there. An array written on this stream must be allocated on it.
         """
-        with self.xp.cuda.Device(self.device_id), self.stream:
+        with self.xp.cuda.Device(self.device_id), on_stream(self.stream):
             return self.xp.empty(int(count), dtype)
 
     def synchronize(self, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
@@ -479,8 +480,6 @@ def fused_adam(
     working copy of the parameters. All arrays: GPU, C-contiguous, the same number of elements, not
     overlapping. Arithmetic is in the master dtype. Returns ``out`` if given, else ``master``.
     """
-    from ..arrays import classify
-
     cp = _require_cupy()
     named = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out is not None:

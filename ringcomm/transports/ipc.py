@@ -247,7 +247,10 @@ class IpcSend(_IpcHalf):
         ctx.expect += (self._t_done, t_reply)
         self._problem = ""
         try:
-            with cupy.cuda.Device(self.device.device_id):  # driver calls need the device's context current
+            with cupy.cuda.Device(self.device.device_id):
+                # the driver calls need the device's context current on this thread: cudaSetDevice makes
+                # it so (CUDA 12+); CuPy's Device makes no call when the device is current already
+                cupy.cuda.runtime.setDevice(self.device.device_id)
                 self._describe(work, src, ctx.acc)
         except Exception as e:  # noqa: BLE001 - any failure means: this edge falls back, on both ends
             self._problem = f"exporting this rank's buffers failed: {e}"

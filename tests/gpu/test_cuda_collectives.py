@@ -644,6 +644,38 @@ def test_arrays_ringcomm_allocates_belong_to_the_call_stream():
             assert (host(fresh) == -9).all(), f"{transport}: memory of all_gather's dropped result overwritten"
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_a_collective_leaves_the_callers_current_stream_current():
+    """A stream the caller made current by ``Stream.use()`` is current again after every call, on
+    every transport: ringcomm makes its call's stream current only around its own allocations and
+    copies (arrays.on_stream). ``with stream:`` inside ringcomm would leave the null stream current
+    instead (CuPy's with-stack does not hold a stream made current by use())."""
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    mine, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    calls = (  # (each allocates on, or copies a step table in on, its call's stream)
+        ("reduce_scatter", lambda comm, x: comm.reduce_scatter(x)),
+        ("reduce_scatter on another stream", lambda comm, x: comm.reduce_scatter(x, stream=other)),
+        ("all_gather, out=None", lambda comm, x: comm.all_gather(x[:5])),
+        ("all_reduce max on another stream", lambda comm, x: comm.all_reduce(x.copy(), "max", stream=other)),
+        ("broadcast", lambda comm, x: comm.broadcast(x.copy(), root=0)),
+    )
+    for transport in transports():
+        comm = comm_with(transport)
+        mine.use()
+        try:
+            x = cupy.full(4003, r + 1, cupy.float32)
+            for name, call in calls:
+                call(comm, x)
+                assert cupy.cuda.get_current_stream().ptr == mine.ptr, (
+                    f"{transport}, {name}: left another stream current"
+                )
+            other.synchronize()
+            mine.synchronize()
+        finally:
+            cupy.cuda.Stream.null.use()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_pool_trimmed_between_collectives_and_after_close(monkeypatch):
     """CuPy's pool frees cached blocks on free_all_blocks() (and before retrying an allocation that

@@ -59,6 +59,12 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   RINGCOMM_EMULATED_MPS=0 says that the processes sharing a device are not under MPS
   (cudaDevAttrMpsEnabled 0; default 1): what ringcomm's ring-kernel set-up reads. Kernels still run
   at once either way (no time slicing, no occupancy limit is emulated).
+- threads, as CuPy's and the CUDA runtime's: the current stream is per thread and device, and
+  ``Stream.use()`` sets it without touching the stack of ``with stream:`` blocks (leaving a block
+  makes the stream under it current). A thread has no current context until cudaSetDevice or a
+  runtime call that needs one (an allocation from the device, a stream, an event, a copy, a kernel
+  launch); ``with Device(i)`` where i is current already makes none, and driver calls without
+  one fail (CUDA_ERROR_INVALID_CONTEXT).
 """
 
 from __future__ import annotations
@@ -125,6 +131,10 @@ _CUDA_ERRORS = {
     900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
     901: ("cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"),
     905: ("cudaErrorStreamCaptureIsolation", "dependency created on uncaptured work in another stream"),
+    906: (
+        "cudaErrorStreamCaptureImplicit",
+        "operation would make the legacy stream depend on a capturing blocking stream",
+    ),
 }
 _ERROR_BY_NAME = {name: status for status, (name, _) in _CUDA_ERRORS.items()}
 #: the driver's (cuGetErrorName, cuGetErrorString)
@@ -231,9 +241,12 @@ def _current_device() -> int:
 
 
 def _make_context_current() -> None:
-    """What the CUDA runtime does on a thread's first allocation or cudaSetDevice: make the current
-    device's primary context current. Driver calls (tests/emulated/cuda/bindings/driver.py) on a
-    thread without one fail with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
+    """What the CUDA runtime does at cudaSetDevice (CUDA 12+) and at a thread's first runtime call
+    that needs a context (cudaMalloc, a stream's or an event's creation, a copy; CuPy makes one
+    before a kernel launch or a pointer query): make the current device's primary context current.
+    cudaGetDevice, CuPy's pool reusing a chunk, and ``with Device(i)`` where i is current already
+    make none. Driver calls (tests/emulated/cuda/bindings/driver.py) on a thread without one fail
+    with CUDA_ERROR_INVALID_CONTEXT, as on a GPU."""
     _ctx.current = _current_device()
 
 
@@ -381,14 +394,14 @@ def _pool_alloc(nbytes: int) -> _PoolChunk:
     """From the current device's pool (CuPy's MemoryPool keeps one SingleDeviceMemoryPool per device)."""
     size = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
     stream = get_current_stream().ptr
-    _make_context_current()
     dev = _current_device()
     with _lock:
-        if _pool_free[(dev, size, stream)]:
+        if _pool_free[(dev, size, stream)]:  # (a chunk the pool holds: no CUDA call)
             block, offset = _pool_free[(dev, size, stream)].pop()
             return _PoolChunk(block, offset, size, stream)
         block, used = _pool_block.get(dev, (None, 0))
-        if block is None or used + size > block.size:
+        if block is None or used + size > block.size:  # (a new block: cudaMalloc; else no CUDA call)
+            _make_context_current()
             ipc = os.environ.get("RINGCOMM_EMULATED_NO_IPC_POOL", "") != "1"
             block = _Allocation(max(_BLOCK, size), ipc=ipc)
             _pool_blocks.append(block)
@@ -457,6 +470,7 @@ class UnownedMemory:
         if device_id < 0:
             if self.ptr == 0:
                 raise RuntimeError("UnownedMemory requires explicit device ID for a null pointer.")
+            _make_context_current()  # (CuPy's runtime._ensure_context before cudaPointerGetAttributes)
             device_id = _device_of(self.ptr)
         self.device_id = int(device_id)
 
@@ -586,9 +600,11 @@ class Stream:
     _by_ptr: dict[int, Stream] = {}
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        if not null:
+            _make_context_current()  # (cudaStreamCreateWithFlags, a runtime call)
         self.ptr = 0 if null else next(_ids)
         self.blocking = not non_blocking and not null
-        self.device_id = -1 if null or ptds else _current_device()
+        self._device_id = -1 if null or ptds else _current_device()
         self._queue: collections.deque = collections.deque()
         self._last_eager = None
         self._work_queue = None if null else next(_work_queue_ids) % _WORK_QUEUES
@@ -686,12 +702,26 @@ class Stream:
     # ---- CUDA graphs (stream capture): kernels only, as ringcomm captures them
     def begin_capture(self, mode=None) -> None:
         """cudaStreamBeginCapture (CuPy's default mode, relaxed: other streams may still allocate,
-        copy and synchronize). Refused on the legacy null stream and on a stream already capturing."""
-        if self.ptr == 0 or self._capture is not None:
+        copy and synchronize). Refused on the legacy null stream (by CuPy, a RuntimeError) and on a
+        stream already capturing."""
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if self._capture is not None:
             raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
         self._capture = []
 
     def is_capturing(self) -> bool:
+        """cudaStreamIsCapturing as CuPy raises it: a RuntimeError once an operation the capture
+        could not hold invalidated it, and cudaErrorStreamCaptureImplicit for the legacy null
+        stream while a blocking stream of the current device captures (the query would join the
+        null stream to that capture)."""
+        if self.ptr == 0:
+            dev = _current_device()
+            if any(t._capture is not None and t.blocking and t.device_id == dev for t in list(Stream._by_ptr.values())):
+                raise CUDARuntimeError(906)  # cudaErrorStreamCaptureImplicit
+            return False
+        if self._capture is not None and _INVALIDATED in self._capture:
+            raise RuntimeError("the stream was capturing, but an error has invalidated the capture sequence")
         return self._capture is not None
 
     def end_capture(self) -> Graph:
@@ -725,17 +755,23 @@ class Stream:
             self._enqueue(_Wait(event._stream, event._marker))
 
     def use(self) -> Stream:
-        _current[_stream_device(self)][:] = [self]
+        """Makes this stream current (CuPy's: the with-stack is left as it is, so that leaving a
+        ``with`` block makes the stream of the enclosing block current again, not this one)."""
+        _streams().current[_stream_device(self)] = self
         return self
 
     def __enter__(self) -> Stream:
-        dev = _stream_device(self)
-        _current[dev].append(self)
-        _current_devices.append(dev)  # CuPy records the device, to pop the right stream at exit
+        dev, tls = _stream_device(self), _streams()
+        tls.stack[dev].append(self)
+        tls.devices.append(dev)  # CuPy records the device, to pop the right stream at exit
+        tls.current[dev] = self
         return self
 
     def __exit__(self, *exc) -> None:
-        _current[_current_devices.pop()].pop()
+        tls = _streams()
+        dev = tls.devices.pop()
+        tls.stack[dev].pop()
+        tls.current[dev] = tls.stack[dev][-1] if tls.stack[dev] else Stream.null
 
     def __repr__(self) -> str:
         return f"<Stream {self.ptr} (device {self.device_id})>"
@@ -749,26 +785,34 @@ class Stream:
         """CuPy 14's ``Stream.from_external(obj)``: a Stream over the stream that ``obj`` names by
         the CUDA stream protocol (``obj.__cuda_stream__()``, (0, handle)), with CuPy's refusals.
         Here it shares the whole state of the emulated stream of that handle (1, legacy, and 2,
-        per-thread, name the null stream), so that work queued through either is one queue; its
-        device_id is that stream's (CuPy's is the current device, the same but for the null
-        stream's -1, which means the current device), and ``obj`` is not held."""
+        per-thread, name the null stream), so that work queued through either is one queue. As
+        CuPy's, its device_id is -1 (unknown: the current device is used) and it holds ``obj``."""
         try:
-            result = obj.__cuda_stream__()
-        except AttributeError:
-            raise AttributeError(
+            version, ptr = obj.__cuda_stream__()
+        except AttributeError as e:
+            raise TypeError(
                 f"Object of type {type(obj).__name__} does not implement the CUDA stream protocol "
                 "(__cuda_stream__ method)"
-            ) from None
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise TypeError(f"__cuda_stream__() must return a 2-tuple of (version, stream_ptr), got {result!r}")
-        version, ptr = result
+            ) from e
+        except (TypeError, ValueError) as e:
+            raise TypeError("__cuda_stream__() must return a 2-tuple of (version, stream_ptr)") from e
         if not isinstance(version, int) or not isinstance(ptr, int):
-            raise TypeError(f"__cuda_stream__() must return (int, int), got {result!r}")
+            raise TypeError(
+                f"__cuda_stream__() must return (int, int), got ({type(version).__name__}, {type(ptr).__name__})"
+            )
         if version != 0:
-            raise ValueError(f"__cuda_stream__() returned unsupported version {version}, only version 0 is supported")
+            raise TypeError(f"__cuda_stream__() returned unsupported version {version}, only version 0 is supported")
         stream = cls.__new__(cls)
         stream.__dict__ = _by_handle(ptr).__dict__  # (one state: its queue, capture, last ring kernel)
+        _external_views.add(stream)
+        stream._foreign_stream_ref = obj
         return stream
+
+    @property
+    def device_id(self) -> int:
+        """The device current when it was made; -1 for the null stream (every device's) and for a
+        stream of Stream.from_external."""
+        return -1 if self in _external_views else self._device_id
 
     @property
     def done(self) -> bool:
@@ -796,10 +840,20 @@ class Graph:
             stream._enqueue(_Running(node.blocks, node.body, node.done, node.check) if again else node)
 
 
+_external_views: weakref.WeakSet = weakref.WeakSet()  # the Streams Stream.from_external made
 Stream.null = Stream(null=True)
-#: per device: the current streams (the last one is current); not per thread here, unlike CuPy's
-_current: dict[int, list[Stream]] = collections.defaultdict(list)
-_current_devices: list[int] = []
+
+
+def _streams() -> types.SimpleNamespace:
+    """CuPy's stream.pyx _ThreadLocal, per thread: per device the current stream (``use()`` and
+    ``with`` set it) and the stack of ``with`` blocks (the null stream below them; leaving a block
+    makes the stream under it current), and the devices of the blocks entered, to pop the right one."""
+    tls = getattr(_ctx, "streams", None)
+    if tls is None:
+        tls = _ctx.streams = types.SimpleNamespace(
+            current=collections.defaultdict(lambda: Stream.null), stack=collections.defaultdict(list), devices=[]
+        )
+    return tls
 
 
 # ------------------------------------------------------------- progress of streams with ring kernels
@@ -914,8 +968,7 @@ def _stall(stream: Stream) -> None:
 
 def get_current_stream(device_id: int = -1) -> Stream:
     """The current stream of the device ``device_id`` (default: the current device)."""
-    dev = _current_device() if device_id == -1 else int(device_id)
-    return _current[dev][-1] if _current[dev] else Stream.null
+    return _streams().current[_current_device() if device_id == -1 else int(device_id)]
 
 
 def _flush_all(stream: Stream | None = None) -> None:
@@ -950,6 +1003,7 @@ class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
         self._stream = None
         self._marker = None
+        _make_context_current()  # (cudaEventCreateWithFlags, a runtime call: the context is made current)
         self.device_id = _current_device()
 
     def record(self, stream: Stream | None = None) -> None:
@@ -993,8 +1047,7 @@ class Device:
     def __eq__(self, other) -> bool:
         return isinstance(other, Device) and self.id == other.id
 
-    def __hash__(self) -> int:
-        return hash(self.id)
+    __hash__ = None  # (CuPy's Device compares but is not hashable)
 
     def use(self) -> Device:
         _set_device(self.id)  # cudaSetDevice initialises the primary context (CUDA 12+)
@@ -1018,12 +1071,8 @@ class Device:
         prev = _current_device()
         stack = _ctx.__dict__.setdefault("device_stack", [])
         stack.append(prev)
-        if self.id != prev:
+        if self.id != prev:  # (CuPy's: no cudaSetDevice, so no context made current, when it is current)
             _set_device(self.id)
-        else:
-            # CuPy calls no cudaSetDevice here; the emulation still makes the context current, as it
-            # did when it had one device (ringcomm relies on it before driver calls)
-            _make_context_current()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -1158,7 +1207,8 @@ class ndarray:
     __rmul__ = __mul__
 
     def __add__(self, other):
-        return self._unary(lambda a: a + other, self.dtype)
+        o = other._np if isinstance(other, ndarray) else (lambda: other)
+        return self._unary(lambda a: a + o(), self.dtype)
 
     __radd__ = __add__
 
@@ -1172,14 +1222,26 @@ class ndarray:
 
     __hash__ = None
 
-    def sum(self):
-        return self.get().sum()
+    def _reduction(self, fn, dtype) -> ndarray:
+        """CuPy's reductions: a 0-d array, computed on the current stream."""
+        out, src = ndarray((), dtype), self
+        get_current_stream()._enqueue(lambda: out._np().__setitem__(Ellipsis, fn(src._np())))
+        return out
+
+    def sum(self) -> ndarray:
+        return self._reduction(np.sum, np.sum(np.zeros(0, self.dtype)).dtype)
+
+    def all(self) -> ndarray:
+        return self._reduction(np.all, np.dtype(bool))
 
     def __float__(self) -> float:  # (CuPy: a size-1 array, read back)
         return float(self.get())
 
-    def all(self):
-        return self.get().all()
+    def __bool__(self) -> bool:  # (CuPy: a size-1 array, read back; else numpy's ValueError)
+        return bool(self.get())
+
+    def __int__(self) -> int:
+        return int(self.get())
 
     def get(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
         _flush_all(stream)
@@ -1394,9 +1456,17 @@ def _lib():
     return _harness
 
 
+_functions: dict[int, _Kernel] = {}  # CUfunction handles (RawKernel.kernel.ptr) -> their kernels
+
+
 class _Kernel:
+    """CuPy's RawKernel, as RawModule.get_function returns it: ``.kernel`` its Function, whose
+    ``ptr`` is the CUfunction the driver's queries take."""
+
     def __init__(self, name: str) -> None:
         self.name = name
+        self.kernel = types.SimpleNamespace(ptr=next(_ids))
+        _functions[self.kernel.ptr] = self
         parts = name.split("_")
         if name == "ringcomm_copy":
             self.kind = "copy"
@@ -1424,6 +1494,7 @@ class _Kernel:
         nthreads = int(np.prod(grid)) * int(np.prod(block))
         if int(np.prod(block)) != 512:
             raise RuntimeError(f"{self.name}: launched with {block} threads per block, the kernels need 512")
+        _make_context_current()  # (CuPy's runtime._ensure_context before cuLaunchKernel)
         dev = _current_device()
         stream = stream if stream is not None else get_current_stream()
         if stream.device_id not in (-1, dev):
@@ -1715,6 +1786,7 @@ def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> N
     device ("A memory copy will succeed even if it is issued to a stream that is not associated to
     the current device", CUDA C++ Programming Guide, Stream and Event Behavior; with unified
     addressing CUDA copies between devices without peer access, through the host): not refused."""
+    _make_context_current()
     if kind == 2:  # device to host
         _region(src, size)
         assert not _is_device(dst), "memcpyDeviceToHost into device memory"
@@ -1748,17 +1820,27 @@ runtime = types.SimpleNamespace(
     cudaIpcMemLazyEnablePeerAccess=cudaIpcMemLazyEnablePeerAccess,
     CUDARuntimeError=CUDARuntimeError,
     deviceSynchronize=lambda: _flush_device(_current_device()),
-    # CuPy's aliases of cudaError_t values
-    errorInvalidValue=1,
-    errorPeerAccessAlreadyEnabled=704,
-    errorInvalidResourceHandle=400,
     # versions encoded as CUDA does (1000 * major + 10 * minor); the properties ringcomm.bench prints
     runtimeGetVersion=lambda: 13000,
     driverGetVersion=lambda: 13000,
     getDeviceProperties=_getDeviceProperties,
 )
+
+
+def _occupancyMaxActiveBlocksPerMultiprocessor(func: int, blockSize: int, dynamicSMemSize: int) -> int:
+    """cuOccupancyMaxActiveBlocksPerMultiprocessor of a kernel (its CUfunction handle): 2 blocks of
+    512 threads per SM, as ptxas reports for sm_90 (at most 64 registers a thread in csrc's copy,
+    reduce, accumulate and Adam kernels);
+    CUDA_ERROR_INVALID_HANDLE for a handle that is no kernel's."""
+    _make_context_current()
+    if func not in _functions:
+        raise CUDADriverError(400)
+    return 2 if blockSize <= 512 else 1
+
+
 driver = types.SimpleNamespace(
-    occupancyMaxActiveBlocksPerMultiprocessor=lambda f, b, s: 2, CUDADriverError=CUDADriverError
+    occupancyMaxActiveBlocksPerMultiprocessor=_occupancyMaxActiveBlocksPerMultiprocessor,
+    CUDADriverError=CUDADriverError,
 )
 
 
