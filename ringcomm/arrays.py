@@ -27,7 +27,7 @@ from .ops import SUPPORTED_DTYPES, bfloat16
 
 _address = buffer.frombuffer
 
-_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+_DLPACK_CUDA = 2
 #: DLPack devices whose memory the host can read: kDLCPU, kDLCUDAHost, kDLROCMHost, kDLCUDAManaged
 #: (the ones numpy.from_dlpack accepts)
 _DLPACK_HOST_DEVICES = (1, 3, 11, 13)
@@ -53,7 +53,7 @@ def classify(x: Any, name: str, stream: Any = None) -> tuple[str, Any]:
         return "cuda", _cupy(name).asarray(x)
     if hasattr(x, "__dlpack_device__"):
         device_type = x.__dlpack_device__()[0]
-        if device_type == _DLPACK_CPU:
+        if device_type in _DLPACK_HOST_DEVICES:  # (PyTorch's pinned CPU tensors: kDLCUDAHost)
             return "host", host_from_dlpack(x, name)
         if device_type == _DLPACK_CUDA:
             return "cuda", _cuda_from_dlpack(x, name, stream)

@@ -96,6 +96,20 @@ def test_bfloat16_dlpack_is_viewed_without_a_copy(comm):
     assert released(x, y)
 
 
+def test_dlpack_host_memory_of_every_kind_runs_on_the_host(comm):
+    """Pinned (kDLCUDAHost: PyTorch's pin_memory() tensors), ROCm pinned and managed memory are
+    host memory: viewed without a copy and reduced on the host, as a CPU tensor."""
+    for device_type in (1, 3, 11, 13):
+        base = np.arange(40, dtype=np.float32) + device_type
+        x = Producer(base, device=(device_type, 0))
+        kind, a = classify(x, "x")
+        assert kind == "host" and a.__array_interface__["data"][0] == base.ctypes.data, device_type
+        del a
+        want = base * MPI.COMM_WORLD.size
+        assert comm.all_reduce(Producer(base, device=(device_type, 0))) is not None
+        assert (base == want).all(), device_type
+
+
 def test_bfloat16_dlpack_layouts_flags_and_ownership(comm):
     base = bf16(24)
     # byte_offset: the data starts there (the pointer stays the buffer's start)
