@@ -167,8 +167,9 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     ``torch.cuda.Stream`` (``ExternalStream`` too) of GPU ``device_id``; for a PyTorch tensor on GPU
     ``device_id``, PyTorch's current stream there, taken when ``stream`` is None or a PyTorch stream
     of that handle and device (torch's ``__dlpack__`` then orders nothing: it makes the consumer's
-    stream wait only for a different stream). Else None: the full path imports ``x`` on its stream
-    (or raises: a stream of another device)."""
+    stream wait only for a different stream, and for an ExternalStream over the current stream's
+    handle, which it counts as different, waits on that same stream, a no-op). Else None: the full
+    path imports ``x`` on its stream (or raises: a stream of another device)."""
     cp, torch = sys.modules["cupy"], sys.modules.get("torch")
     if type(x) is cp.ndarray:
         if stream is None:
@@ -214,8 +215,8 @@ def _cuda_from_dlpack(x: Any, name: str, stream: Any) -> Any:
 
 
 def _has_cuda_array_interface(x: Any) -> bool:
-    """Whether ``x`` describes itself by __cuda_array_interface__. A property that raises (PyTorch
-    does for dtypes the interface cannot name, e.g. bfloat16) counts as no: DLPack is tried next."""
+    """Whether ``x`` describes itself by __cuda_array_interface__. A property that raises (PyTorch's
+    does for a tensor that requires grad) counts as no: DLPack is tried next."""
     try:
         return hasattr(x, "__cuda_array_interface__")
     except Exception:  # noqa: BLE001 - any error from the property means "not through this interface"

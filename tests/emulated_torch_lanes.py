@@ -18,7 +18,7 @@ import sys
 import cupy
 import numpy as np
 from conftest import shared_seed
-from emulated_torch_streams import Tensor, TorchStream, _torch_stream, torch, torch_reads, torch_writes
+from emulated_torch_streams import Tensor, TorchStream, torch, torch_reads, torch_streams, torch_writes
 from mpi4py import MPI
 
 import ringcomm
@@ -56,7 +56,7 @@ def check_lanes(comm: ringcomm.Communicator, host: ringcomm.Communicator, dtype:
 
     def gather_in_place(x: Tensor) -> Tensor:
         out = poisoned(count, dtype)
-        with _torch_stream._stream:  # (PyTorch's copy of x's shard into its place, on its stream)
+        with current._stream:  # (PyTorch's copy of x's shard into its place, on its stream)
             out.data[lo:hi] = x.data[lo:hi]
         return comm.all_gather(view(out.data[lo:hi]), out=out)
 
@@ -174,28 +174,31 @@ def check_full_path(comm: ringcomm.Communicator, full: list) -> list[str]:
 
 def main() -> int:
     mpi = MPI.COMM_WORLD
-    comm = ringcomm.Communicator(mpi, timeout=30)
     host = ringcomm.Communicator(mpi, timeout=30, small_bytes=0)
-    assert comm.transport_name(cupy.empty(1, np.float32)) == "kernel", comm.transport_name(cupy.empty(1, np.float32))
-    full: list[str] = []
+    full: list[str] = []  # the full-path calls of the communicator under test
     run = Communicator._run
 
     def counted(self, ctx, *args, **kw):
-        if self is comm:
+        if self is not host:
             full.append(ctx.collective)
         return run(self, ctx, *args, **kw)
 
     Communicator._run = counted
     errors = []
-    for dtype in (np.dtype(np.float32), bfloat16):  # (bfloat16: no __cuda_array_interface__, DLPack only)
-        try:
-            errors += check_lanes(comm, host, dtype, full)
-        except Exception as e:  # noqa: BLE001 - report, then fail
-            errors.append(f"{dtype}: {type(e).__name__}: {e}")
+    for current in torch_streams():  # (a new communicator each: the lanes start again on PyTorch's stream)
+        comm = ringcomm.Communicator(mpi, timeout=30)
+        transport = comm.transport_name(cupy.empty(1, np.float32))
+        assert transport == "kernel", transport
         full.clear()
-    errors += check_full_path(comm, full)
-    comm.check_errors()
-    comm.close()
+        for dtype in (np.dtype(np.float32), bfloat16):
+            try:
+                errors += [f"{current}: {e}" for e in check_lanes(comm, host, dtype, full)]
+            except Exception as e:  # noqa: BLE001 - report, then fail
+                errors.append(f"{current}, {dtype}: {type(e).__name__}: {e}")
+            full.clear()
+        errors += [f"{current}: {e}" for e in check_full_path(comm, full)]
+        comm.check_errors()
+        comm.close()
     host.close()
     for e in errors:
         print(f"rank {mpi.rank}: {e}")

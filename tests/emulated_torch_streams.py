@@ -3,22 +3,33 @@
 Run by tests/test_torch_dlpack.py with tests/emulated first on PYTHONPATH (the CuPy stand-in,
 whose streams are lazy: queued work runs only when something waits for it) and
 RINGCOMM_EMULATED_HARNESS set. A fake ``torch`` module stands in for PyTorch's CUDA side with
-PyTorch's signatures and behaviour: ``torch.cuda.current_stream(device)`` (a non-blocking stream,
-as PyTorch's pool streams are, so not ordered with the null stream; a new Stream object each
-call), ``Stream.cuda_stream``, ``device_index`` and ``__cuda_stream__``,
-``torch.cuda.ExternalStream(ptr)``, ``Event``, ``torch.from_dlpack`` of a CuPy array (a tensor over
-its memory; tests/emulated_torch_lanes.py and benchmarks/gpu_host_cost.py ``--arrays torch`` use
-this module as ``torch`` too), and a ``torch.Tensor`` whose
-``__cuda_array_interface__`` is version 2 without a "stream" key (raising TypeError for
-bfloat16, as PyTorch's does) and whose ``__dlpack__(*, stream=-1, max_version, dl_device, copy)``
-makes the consumer's stream wait on PyTorch's current stream unless they are the same stream
-(torch/_tensor.py). Every check: PyTorch's "kernel" writes x on its stream, the collective runs,
-PyTorch's next "kernel" reads the result on its stream, and only PyTorch's stream is synchronized
-(with stream= a CuPy stream of the caller's: only that stream, whose wait the DLPack exchange made).
+PyTorch 2.13's signatures and behaviour (torch/cuda/streams.py, torch/cuda/__init__.py,
+torch/_tensor.py, torch/utils/dlpack.py):
+- ``torch.cuda.current_stream(device=None)`` (a new Stream object each call), by default the legacy
+  default stream (handle 0), or the stream made current by ``torch.cuda.set_stream`` or inside
+  ``with torch.cuda.stream(s)``; ``default_stream``, ``current_device``;
+- streams: ``cuda_stream``, ``device_index``, ``__cuda_stream__``; equal when their device and
+  stream id are (a pool stream's id is odd, an ``ExternalStream(ptr, device=None)``'s is ptr: an
+  ExternalStream over a pool stream's handle is not equal to it); ``Event(enable_timing=False,
+  blocking=False, interprocess=False, external=False)`` and ``record(stream=None)``;
+- ``torch.from_dlpack(x, *, device=None, copy=None)`` of a CuPy array: a tensor over its memory on
+  its device, whose stream exchange makes PyTorch's current stream wait for CuPy's
+  (tests/emulated_torch_lanes.py and benchmarks/gpu_host_cost.py ``--arrays torch`` use this module
+  as ``torch`` too);
+- a ``torch.Tensor`` whose ``__cuda_array_interface__`` is version 2 without a "stream" key
+  (bfloat16 as "<V2"; a RuntimeError for a tensor that requires grad), and whose
+  ``__dlpack__(*, stream=-1, max_version, dl_device, copy)`` makes the consumer's stream wait on
+  PyTorch's current stream unless they are the same stream, with PyTorch's refusals in its order.
+Every check, on PyTorch's legacy default stream and on a pool stream made current: PyTorch's
+"kernel" writes x on its stream, the collective runs, PyTorch's next "kernel" reads the result on
+its stream, and only PyTorch's stream is synchronized (with stream= a CuPy stream of the
+caller's: only that stream, whose wait the DLPack exchange made).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
 import types
 
@@ -33,11 +44,14 @@ from ringcomm.ops import bfloat16
 
 # ----------------------------------------------------------------------------------- fake torch
 class TorchStream:
-    """torch.cuda.Stream: ``cuda_stream`` (the cudaStream_t as an int), ``device_index``; equal to
-    another of the same stream and device (``torch.cuda.current_stream()`` makes a new one each call)."""
+    """torch.cuda.Stream over an emulated CuPy stream: ``cuda_stream`` (the cudaStream_t as an
+    int), ``device_index``; equal to another of the same device and stream id (c10's CUDAStream
+    ==): the default stream's id is 0, a pool stream's odd (``torch.cuda.current_stream()`` makes a
+    new object each call). Made here over a CuPy stream (the tests' stand-in for a new pool stream)."""
 
     def __init__(self, stream: cupy.cuda.Stream, device_index: int = 0) -> None:
         self._stream, self.cuda_stream, self.device_index = stream, stream.ptr, device_index
+        self._id = 0 if stream.ptr == 0 else 2 * stream.ptr + 1
 
     def wait_event(self, event: TorchEvent) -> None:
         self._stream.wait_event(event._event)
@@ -51,27 +65,57 @@ class TorchStream:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TorchStream):
             return False
-        return (other.cuda_stream, other.device_index) == (self.cuda_stream, self.device_index)
+        return (other._id, other.device_index) == (self._id, self.device_index)
 
-    __hash__ = None
+    def __hash__(self) -> int:
+        return hash((self.cuda_stream, self.device_index))
 
 
 class TorchExternalStream(TorchStream):
+    """torch.cuda.ExternalStream(stream_ptr, device=None): a stream made elsewhere, on ``device``
+    (None: the current one); its stream id is the handle (c10's getStreamFromExternal)."""
+
     def __init__(self, stream_ptr: int, device: object = None) -> None:
         handle = types.SimpleNamespace(__cuda_stream__=lambda: (0, stream_ptr))
-        super().__init__(cupy.cuda.Stream.from_external(handle))
+        super().__init__(cupy.cuda.Stream.from_external(handle), _index(device))
+        self._id = stream_ptr
 
 
 class TorchEvent:
-    def __init__(self) -> None:
-        self._event = cupy.cuda.Event()
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, external: bool = False
+    ) -> None:
+        self._event = cupy.cuda.Event(block=blocking, disable_timing=not enable_timing, interprocess=interprocess)
 
-    def record(self, stream: TorchStream) -> None:
-        self._event.record(stream._stream)
+    def record(self, stream: TorchStream | None = None) -> None:
+        self._event.record((stream if stream is not None else torch.cuda.current_stream())._stream)
 
 
-_torch_stream = TorchStream(cupy.cuda.Stream(non_blocking=True))  # not PyTorch's default stream
-_default_stream = TorchStream(cupy.cuda.Stream.null)
+_pool_stream = cupy.cuda.Stream(non_blocking=True)  # a PyTorch pool stream, for the tests to make current
+_current: dict[int, cupy.cuda.Stream] = {}  # per device: the stream set_stream made current (else the default)
+
+
+def _current_stream(device: object = None) -> TorchStream:
+    index = _index(device)
+    return TorchStream(_current.get(index, cupy.cuda.Stream.null), index)
+
+
+def _set_stream(stream: TorchStream) -> None:
+    _current[stream.device_index] = stream._stream
+
+
+@contextlib.contextmanager
+def _stream_context(stream: TorchStream | None):
+    """torch.cuda.stream(stream): ``stream`` current inside the block (None: nothing changes)."""
+    if stream is None:
+        yield
+        return
+    before = _current_stream(stream.device_index)
+    _set_stream(stream)
+    try:
+        yield
+    finally:
+        _set_stream(before)
 
 
 class dtype:  # noqa: N801 - torch's name
@@ -118,10 +162,13 @@ class Tensor:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        if self.data.dtype == bfloat16:
-            raise TypeError("Got unsupported ScalarType BFloat16")
+        if self.requires_grad:
+            raise RuntimeError(
+                "Can't get __cuda_array_interface__ on Variable that requires grad. "
+                "If gradients aren't required, use var.detach() to get Variable that doesn't require grad."
+            )
         return {
-            "typestr": self.data.dtype.str,
+            "typestr": "<V2" if self.data.dtype == bfloat16 else self.data.dtype.str,
             "shape": self.data.shape,
             "strides": None,
             "data": (self.data.data.ptr, False),
@@ -137,21 +184,30 @@ class Tensor:
             raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
         if self.layout is not strided:
             raise BufferError("Can't export tensors with layout other than torch.strided")
-        if self.is_nested:  # (a nested tensor's layout is strided, its numel and data_ptr its buffer's)
-            raise RuntimeError("Internal error: NestedTensorImpl doesn't support sizes. Please file an issue.")
-        if self.device.index != cupy.cuda.runtime.getDevice():
-            raise BufferError("Can't export tensors on a different CUDA device index.")
+        current_device = cupy.cuda.runtime.getDevice()
+        if self.device.index != current_device:
+            raise BufferError(
+                "Can't export tensors on a different CUDA device index. "
+                f"Expected: {self.device.index}. Current device: {current_device}."
+            )
         if stream is not None and type(stream) is not int:
             raise TypeError("stream must be ``int`` or ``none``")
-        if stream == 2:
-            raise BufferError("per-thread default stream is not supported.")
         if stream != -1:
-            consumer = _default_stream if stream in (None, 1) else TorchExternalStream(stream)
+            if stream is None or stream == 1:
+                consumer = torch.cuda.default_stream()
+            else:
+                if stream == 2:
+                    raise BufferError("per-thread default stream is not supported.")
+                if stream == 0:
+                    raise AssertionError(f"unsupported stream on CUDA: {stream}.")
+                consumer = TorchExternalStream(stream)
             current = torch.cuda.current_stream()
             if consumer != current:  # "Only synchronize on different streams"
                 event = TorchEvent()
                 event.record(current)
                 consumer.wait_event(event)
+        if self.is_nested:  # (_C._to_dlpack: a nested tensor's layout is strided, its numel and data_ptr its buffer's)
+            raise RuntimeError("Internal error: NestedTensorImpl doesn't support sizes. Please file an issue.")
         bf16 = self.data.dtype == bfloat16
         producer = Producer(
             self.data,
@@ -164,21 +220,41 @@ class Tensor:
 
 
 def _index(device: object) -> int:
-    """A device argument's index: None (the current device, 0 here), an int, or a torch.device."""
-    return 0 if device is None else device if isinstance(device, int) else device.index
+    """A device argument's index: None (the current device), an int, "cuda" or "cuda:<i>", or a
+    torch.device (``.index``; None: the current device)."""
+    if isinstance(device, str):
+        device = None if device == "cuda" else int(device.split(":", 1)[1])
+    elif device is not None and not isinstance(device, int):
+        device = device.index
+    return cupy.cuda.runtime.getDevice() if device is None else device
+
+
+def from_dlpack(ext_tensor: cupy.ndarray, *, device: object = None, copy: object = None) -> Tensor:
+    """torch.from_dlpack of a CuPy array: a tensor over its memory, on its device. PyTorch passes
+    its current stream there to CuPy's ``__dlpack__``, which makes it wait for CuPy's current
+    stream when they differ (CuPy's exchange, done here by an event)."""
+    index = ext_tensor.device.id
+    consumer, producer = _current_stream(index)._stream, cupy.cuda.get_current_stream()
+    if consumer.ptr != producer.ptr:
+        event = cupy.cuda.Event()
+        event.record(producer)
+        consumer.wait_event(event)
+    return Tensor(ext_tensor, device_index=index)
 
 
 torch = types.ModuleType("torch")
-torch.Tensor, torch.dtype, torch.strided = Tensor, dtype, strided
-torch.from_dlpack = Tensor  # (of a CuPy array: a tensor over its memory)
+torch.Tensor, torch.dtype, torch.strided, torch.from_dlpack = Tensor, dtype, strided, from_dlpack
 for _name, _dtype in _DTYPES.items():
     setattr(torch, _name, _dtype)
 torch.cuda = types.SimpleNamespace(
     Stream=TorchStream,
     ExternalStream=TorchExternalStream,
     Event=TorchEvent,
-    current_stream=lambda device=None: TorchStream(_torch_stream._stream, _index(device)),
-    default_stream=lambda device=None: TorchStream(_default_stream._stream, _index(device)),
+    current_stream=_current_stream,
+    default_stream=lambda device=None: TorchStream(cupy.cuda.Stream.null, _index(device)),
+    set_stream=_set_stream,
+    stream=_stream_context,
+    current_device=lambda: cupy.cuda.runtime.getDevice(),
 )
 sys.modules["torch"] = torch
 
@@ -186,16 +262,28 @@ sys.modules["torch"] = torch
 # ---------------------------------------------------------------------------------------- checks
 def torch_writes(a: cupy.ndarray, values: np.ndarray) -> None:
     """PyTorch's kernel writing ``values`` into ``a``, queued on PyTorch's current stream."""
-    with _torch_stream._stream:
+    with torch.cuda.current_stream()._stream:
         a[...] = cupy.asarray(values)
 
 
 def torch_reads(a: cupy.ndarray) -> np.ndarray:
     """PyTorch's next kernel copying ``a``, on its stream; then only that stream is synchronized."""
-    with _torch_stream._stream:
+    current = torch.cuda.current_stream()
+    with current._stream:
         seen = a.copy()
-    _torch_stream.synchronize()
+    current.synchronize()
     return seen._np().copy()  # no cupy-wide flush: what PyTorch's stream saw
+
+
+def torch_streams():
+    """The cases of PyTorch's current stream: its legacy default stream, as PyTorch starts, and a
+    pool stream made current (``torch.cuda.set_stream``), as under ``with torch.cuda.stream(s)``."""
+    for name, stream in (("the legacy default stream", None), ("a pool stream", TorchStream(_pool_stream))):
+        _current.clear()
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+        yield name
+    _current.clear()
 
 
 def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> list[str]:
@@ -206,7 +294,8 @@ def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> lis
     dst.set(np.full(n, np.nan, dtype))
     x, y = Tensor(src), Tensor(dst)
     torch_writes(src, values)
-    stream = {"default": None, "torch": _torch_stream, "cupy": cupy.cuda.Stream(non_blocking=True)}[stream_kind]
+    current = torch.cuda.current_stream()
+    stream = {"default": None, "torch": current, "cupy": cupy.cuda.Stream(non_blocking=True)}[stream_kind]
     what = f"{dtype} all_reduce(x, out=y, stream={stream_kind})"
     errors = []
     comm.all_reduce(x, out=y, stream=stream)
@@ -221,8 +310,9 @@ def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> lis
             f"{what}: the result seen on the collective's stream differs from x ({wrong} bytes differ; "
             f"first elements {got[:3]} vs {values[:3]})"
         )
-    # imported by DLPack (not by the interface, which names no stream), asking with the collective's stream
-    want = _torch_stream.cuda_stream if stream_kind != "cupy" else stream.ptr
+    # imported by DLPack (not by the interface, which names no stream), asking with the collective's
+    # stream (CuPy names the legacy default stream 1)
+    want = (current.cuda_stream or 1) if stream_kind != "cupy" else stream.ptr
     for name, t in (("x", x), ("y", y)):
         if t.dlpack_streams != [want]:
             errors.append(f"{what}: {name}.__dlpack__ was called with stream={t.dlpack_streams}, expected [{want}]")
@@ -231,16 +321,17 @@ def check(comm: ringcomm.Communicator, dtype: np.dtype, stream_kind: str) -> lis
 
 def main() -> int:
     errors = []
-    for dtype in (np.dtype(np.float32), bfloat16):  # with and without a __cuda_array_interface__
-        for stream_kind in ("default", "torch", "cupy"):
+    for current in torch_streams():
+        for dtype, stream_kind in itertools.product((np.dtype(np.float32), bfloat16), ("default", "torch", "cupy")):
             comm = ringcomm.Communicator(MPI.COMM_WORLD, timeout=30)  # one per case: an error aborts it
+            what = f"PyTorch's current stream {current}, {dtype} stream={stream_kind}"
             try:
-                found = check(comm, dtype, stream_kind)
+                found = [f"{current}: {e}" for e in check(comm, dtype, stream_kind)]
             except Exception as e:  # noqa: BLE001 - report every case, then fail
-                found = [f"{dtype} stream={stream_kind}: {type(e).__name__}: {e}"]
+                found = [f"{what}: {type(e).__name__}: {e}"]
             comm.close()
             errors += found
-            print(f"{dtype} stream={stream_kind}: {'FAIL' if found else 'ok'}")
+            print(f"{what}: {'FAIL' if found else 'ok'}")
     for e in errors:
         print(e)
     return 1 if errors else 0
