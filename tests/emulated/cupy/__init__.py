@@ -1321,16 +1321,26 @@ _CAPSULE_NAMES = {b"dltensor": b"used_dltensor", b"dltensor_versioned": b"used_d
 
 
 def from_dlpack(array, *, device=None, copy=None) -> ndarray:
-    """CuPy 14's: the producer is given CuPy's current stream (the null stream as 1, cudaStreamLegacy)
-    and asked for DLPack 1.0 first; bfloat16 comes as ml_dtypes.bfloat16. C-contiguous tensors only."""
-    dev_type, _dev_id = array.__dlpack_device__()
+    """CuPy 14's: with the tensor's device current (cudaSetDevice, the previous one restored after),
+    the producer is given that device's current stream (the null stream as 1, cudaStreamLegacy) and
+    asked for DLPack 1.0 first; bfloat16 comes as ml_dtypes.bfloat16. C-contiguous tensors only."""
+    dev_type, dev_id = array.__dlpack_device__()
+    if device is not None:
+        raise NotImplementedError("from_dlpack() does not support device yet.")
     if dev_type not in (2, 13):
         raise TypeError(f"Unsupported array type: {dev_type}")
-    stream = get_current_stream().ptr or 1
+    prev = _current_device()
     try:
-        capsule = array.__dlpack__(stream=stream, max_version=(1, 0), copy=copy)
-    except TypeError:
-        capsule = array.__dlpack__(stream=stream)
+        _set_device(dev_id)
+        stream = get_current_stream().ptr or 1
+        try:
+            capsule = array.__dlpack__(stream=stream, max_version=(1, 0), copy=copy)
+        except TypeError:
+            if copy is not None:
+                raise
+            capsule = array.__dlpack__(stream=stream)
+    finally:
+        _set_device(prev)
     capi = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)  # private: pythonapi's are shared
     is_valid, get_pointer, set_name = (
         capi((f, ctypes.pythonapi)) for f in ("PyCapsule_IsValid", "PyCapsule_GetPointer", "PyCapsule_SetName")
