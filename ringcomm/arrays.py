@@ -139,8 +139,8 @@ def torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
 _torch_numpy: dict[Any, np.dtype] = {}
 
 
-def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
-    """``(address, count, dtype)`` of a GPU array that a collective's kernel lane may take as it is:
+def lane_buffer(x: Any) -> tuple[int, int, np.dtype, int] | None:
+    """``(address, count, dtype, device)`` of a GPU array that a collective's kernel lane may take as it is:
     a C-contiguous CuPy array, or a contiguous PyTorch CUDA tensor (exactly ``torch.Tensor``) of a
     dtype ringcomm has that DLPack exports as it is (strided, not nested, without requires_grad:
     what torch's ``__dlpack__`` refuses).
@@ -148,7 +148,7 @@ def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
     with its messages)."""
     cp = sys.modules.get("cupy")
     if cp is not None and type(x) is cp.ndarray:
-        return (x.data.ptr, x.size, x.dtype) if x.flags.c_contiguous else None
+        return (x.data.ptr, x.size, x.dtype, x.data.device_id) if x.flags.c_contiguous else None
     torch = sys.modules.get("torch")
     if torch is None or type(x) is not torch.Tensor or not x.is_cuda:
         return None
@@ -157,15 +157,15 @@ def lane_buffer(x: Any) -> tuple[int, int, np.dtype] | None:
     dtype = _torch_numpy.get(x.dtype)
     if dtype is None or x.requires_grad or x.layout is not torch.strided or x.is_nested or not x.is_contiguous():
         return None
-    return x.data_ptr(), x.numel(), dtype
+    return x.data_ptr(), x.numel(), dtype, x.get_device()
 
 
 def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     """The stream a kernel lane's call on ``x`` (an array lane_buffer takes) runs on, the one the
     full path picks (default_stream), where picking it imports nothing: for a CuPy array, ``stream``
     None (CuPy's current stream), a ``cupy.cuda.Stream`` or ``ExternalStream``, or a
-    ``torch.cuda.Stream`` (``ExternalStream`` too) of GPU ``device_id``; for a PyTorch tensor on GPU
-    ``device_id``, PyTorch's current stream there, taken when ``stream`` is None or a PyTorch stream
+    ``torch.cuda.Stream`` (``ExternalStream`` too) of GPU ``device_id``; for a PyTorch tensor (on GPU
+    ``device_id``), PyTorch's current stream there, taken when ``stream`` is None or a PyTorch stream
     of that handle and device (torch's ``__dlpack__`` then orders nothing: it makes the consumer's
     stream wait only for a different stream, and for an ExternalStream over the current stream's
     handle, which it counts as different, waits on that same stream, a no-op). Else None: the full
@@ -178,8 +178,6 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
             return stream
         ours = torch is not None and isinstance(stream, torch.cuda.Stream) and stream.device_index == device_id
         return _external(stream, "stream") if ours else None
-    if x.get_device() != device_id:
-        return None
     current = torch.cuda.current_stream(device_id)
     if stream is not None and (
         not isinstance(stream, torch.cuda.Stream)

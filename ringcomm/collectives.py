@@ -46,6 +46,7 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     if stream is not None and kind == "host":
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
     device = comm._device(kind, run_on)
+    _on_device(a, kind, device, name)
     if kind != "host" and comm.size > 1 and device.stream.is_capturing():
         _capturable(comm, kind, name, device.device_id)
     return kind, flat(a, name), device
@@ -80,12 +81,24 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any
     okind, o = ("host", out) if type(out) is np.ndarray else classify(out, name, device.stream)
     if okind != kind:
         raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
+    _on_device(o, kind, device, name)
     if o.dtype != dtype:
         raise TypeError(f"{name}: dtype {o.dtype} differs from the input's {dtype}; pass an array of dtype {dtype}")
     if count is not None and o.size != count:
         raise ValueError(f"{name}: has {o.size} elements, expected {count}")
     writable(o, name)
     return flat(o, name)
+
+
+def _on_device(a: Any, kind: str, device: Any, name: str) -> None:
+    """RuntimeError unless the GPU array ``a`` (a CuPy array) lies on the device of the call
+    (CuPy's current one), whose kernels could not touch another GPU's memory without peer access."""
+    if kind != "host" and (where := a.data.device_id) != device.device_id:
+        raise RuntimeError(
+            f"{name}: the array is on GPU {where}, but the current device is GPU {device.device_id}: make GPU "
+            f"{where} current (cupy.cuda.Device({where}).use(), torch.cuda.set_device) or pass an array of GPU "
+            f"{device.device_id}"
+        )
 
 
 def _accumulating(comm: Any, accumulate: Any, dtype: np.dtype) -> bool:
@@ -184,20 +197,22 @@ def _run_lane(comm: Any, ctx: Context, run: Any, work: Any, src: Any) -> None:
         comm._failed(ctx, e)
 
 
-def _kernel_lane(comm: Any, key: tuple, x: Any, stream: Any) -> tuple | None:
+def _kernel_lane(comm: Any, key: tuple, x: Any, a: tuple, stream: Any) -> tuple | None:
     """``(lane, call)``: the lane ``key`` of GPU calls like one that a ring kernel ran before
-    (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on ``x`` (an array
-    arrays.lane_buffer takes) may take it now: the lanes open, the launch still kept, no kernel
-    failure recorded (by any of the communicator's executors, as _usable polls them), CuPy's
-    current device the lane's, and ``stream`` one that arrays.lane_stream picks without an import;
-    the lane's device then runs on it. Else None: the full path runs, with its checks, their
-    messages and its log line."""
+    (:func:`_keep_kernel_lane`) and the launch its executor keeps, when a call on ``x`` (``a``: its
+    arrays.lane_buffer) may take it now: the lanes open, the launch still kept, no kernel failure
+    recorded (by any of the communicator's executors, as _usable polls them), CuPy's current device
+    the lane's and x's, and ``stream`` one that arrays.lane_stream picks without an import; the
+    lane's device then runs on it. Else None: the full path runs, with its checks, their messages
+    and its log line."""
     lane = comm._lanes.get(key)
     if lane is None or not _lanes_open(comm):
         return None
     ctx, ex, at, steps, _ = lane
     call, device = ex.calls.get(at), ctx.device
-    if call is None or call[0] is not steps or ex.cupy.cuda.runtime.getDevice() != device.device_id:
+    if call is None or call[0] is not steps or a[3] != device.device_id:
+        return None
+    if ex.cupy.cuda.runtime.getDevice() != device.device_id:
         return None
     if any(e.err[0] for e in comm._executors.values()):
         return None
@@ -211,9 +226,9 @@ def _kernel_lane(comm: Any, key: tuple, x: Any, stream: Any) -> tuple | None:
 def _gpu_out(out: Any, x: Any, a: tuple, count: int, apart: bool = True) -> int | None:
     """The address of ``out`` where a kernel lane takes it as the result of ``count`` elements of a
     call on ``x`` (``a``: its lane_buffer): an array of x's type that lane_buffer takes, of x's
-    dtype and that size, apart from x (``apart`` False: wherever it lies). Else None."""
+    dtype, device and that size, apart from x (``apart`` False: wherever it lies). Else None."""
     o = lane_buffer(out) if type(out) is type(x) else None
-    if o is None or o[1] != count or o[2] != a[2]:
+    if o is None or o[1] != count or o[2] != a[2] or o[3] != a[3]:
         return None
     return o[0] if not apart or _apart(a, o) else None
 
@@ -294,7 +309,7 @@ def all_reduce(
             if done is not None:
                 return done
         elif (a := lane_buffer(x)) is not None:  # the kernel lane: in place, or out apart from x
-            found = _kernel_lane(comm, ("kernel all_reduce", a[1], a[2], _known(op), out is None), x, stream)
+            found = _kernel_lane(comm, ("kernel all_reduce", a[1], a[2], _known(op), out is None), x, a, stream)
             work = None if found is None else a[0] if out is None else _gpu_out(out, x, a, a[1])
             if work is not None:
                 _run_kernel_lane(comm, found, work, a[0])
@@ -380,7 +395,7 @@ def reduce_scatter(
     """
     if accumulate is None and (a := lane_buffer(x)) is not None:
         # the kernel lane: a fresh result, or an out apart from x (the kernel's last reductions write it)
-        found = _kernel_lane(comm, ("kernel reduce_scatter", a[1], a[2], _known(op)), x, stream)
+        found = _kernel_lane(comm, ("kernel reduce_scatter", a[1], a[2], _known(op)), x, a, stream)
         if found is not None:
             lo, hi = found[0][-1]
             into = None if out is None else _gpu_out(out, x, a, hi - lo)
@@ -473,8 +488,8 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
         # the kernel lane: shard apart from out (the kernel sends it and copies it into out), or in
         # place: this rank's place in out (a shard starting in out: the full path's errors otherwise)
         in_place = a[1] > 0 and o[0] <= a[0] < o[0] + o[1] * o[2].itemsize
-        found = _kernel_lane(comm, ("kernel all_gather", o[1], o[2], in_place), shard, stream)
-        if found is not None and a[2] == o[2]:
+        found = _kernel_lane(comm, ("kernel all_gather", o[1], o[2], in_place), shard, a, stream)
+        if found is not None and a[2:] == o[2:]:
             lo, hi = found[0][-1]
             if a[1] == hi - lo and (a[0] == o[0] + lo * o[2].itemsize if in_place else _apart(a, o)):
                 _run_kernel_lane(comm, found, o[0], o[0], 0 if in_place else a[0])
@@ -548,7 +563,7 @@ def all_gather(comm: Any, shard: Any, *, out: Any = None, stream: Any = None) ->
 def broadcast(comm: Any, x: Any, root: int = 0, *, stream: Any = None) -> Any:
     """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
     if type(root) is int and (a := lane_buffer(x)) is not None:  # the kernel lane
-        found = _kernel_lane(comm, ("kernel broadcast", a[1], a[2], root), x, stream)
+        found = _kernel_lane(comm, ("kernel broadcast", a[1], a[2], root), x, a, stream)
         if found is not None:
             _run_kernel_lane(comm, found, a[0], a[0])
             return x
@@ -610,7 +625,7 @@ def reduce(
     """
     if accumulate is None and type(root) is int and (a := lane_buffer(x)) is not None:
         # the kernel lane: in place at the root, or out apart from x
-        found = _kernel_lane(comm, ("kernel reduce", a[1], a[2], _known(op), root, out is None), x, stream)
+        found = _kernel_lane(comm, ("kernel reduce", a[1], a[2], _known(op), root, out is None), x, a, stream)
         work = None if found is None else a[0] if out is None else _gpu_out(out, x, a, a[1])
         if work is not None:
             if comm.rank != root:  # (its partial sums in the scratch)

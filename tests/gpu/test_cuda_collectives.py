@@ -676,6 +676,45 @@ def test_a_collective_leaves_the_callers_current_stream_current():
             cupy.cuda.Stream.null.use()
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_an_array_on_another_gpu_is_refused_before_any_communication():
+    """x or out on a GPU other than the current one raises RuntimeError on the rank that passed it,
+    before any communication (its kernels could not touch that memory without peer access, and a
+    ring kernel launched on the current GPU would fault), also for a call like one that took a kernel
+    lane before; the communicator goes on working."""
+    if _ngpu < 2:
+        pytest.skip("needs 2 GPUs")
+    _use_local_gpu()
+    r, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    here = cupy.cuda.runtime.getDevice()
+    calls = (  # (name, the call on comm, x and out; whether it takes an out)
+        ("all_reduce", lambda comm, x, o: comm.all_reduce(x, out=o), True),
+        ("reduce_scatter", lambda comm, x, o: comm.reduce_scatter(x, out=None if o is None else o[: 64 // n]), True),
+        ("reduce", lambda comm, x, o: comm.reduce(x, root=0, out=o), True),
+        ("broadcast", lambda comm, x, o: comm.broadcast(x, root=0), False),
+    )
+    for transport in transports():
+        comm = comm_with(transport)
+        with cupy.cuda.Device((here + 1) % _ngpu):
+            far, far_out = cupy.full(64, r + 1.0, cupy.float32), cupy.zeros(64, cupy.float32)
+        near = cupy.full(64, r + 1.0, cupy.float32)
+        for name, call, takes_out in calls:
+            call(comm, near.copy(), None)  # (first like calls on this GPU: a kernel lane exists for the next)
+            refused = [("x", far, None)]
+            if takes_out:
+                call(comm, near.copy(), cupy.zeros(64, cupy.float32))
+                refused.append(("out", near.copy(), far_out))
+            for what, x, o in refused:
+                try:
+                    call(comm, x, o)
+                    pytest.fail(f"{transport}, {name}: {what} on another GPU ran")
+                except RuntimeError as e:
+                    assert f"{what}: the array is on GPU {(here + 1) % _ngpu}, but the" in str(e), f"{name}: {e}"
+        got = comm.all_reduce(near.copy())
+        assert (host(got) == n * (n + 1) / 2).all(), f"{transport}: {host(got)[:3]}"
+        comm.close()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_pool_trimmed_between_collectives_and_after_close(monkeypatch):
     """CuPy's pool frees cached blocks on free_all_blocks() (and before retrying an allocation that
