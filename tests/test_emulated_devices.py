@@ -293,6 +293,8 @@ def test_memcpy_across_devices_is_allowed(emu):
     near = emu.zeros(64, np.float32)
     rt = emu.cuda.runtime
     rt.memcpyAsync(near.data.ptr, far.data.ptr, near.nbytes, rt.memcpyDeviceToDevice, s1.ptr)
+    assert (near.get() == 0).all()  # (device 0's null stream is not ordered after device 1's streams)
+    s1.synchronize()
     assert (near.get() == np.arange(64)).all()
 
 

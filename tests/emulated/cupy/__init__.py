@@ -972,14 +972,18 @@ def get_current_stream(device_id: int = -1) -> Stream:
 
 
 def _flush_all(stream: Stream | None = None) -> None:
-    """Before a copy to or from the host: every stream runs what it can (never blocking), then the
-    copy's stream (default: the current one) is waited for as CuPy's synchronous copy does: held by
-    a running ring kernel, it blocks until its blocks return; a hung stream is left queued."""
-    with _lock:
-        for s in list(Stream._by_ptr.values()):
-            s._advance(s._mark())
-        stream = stream if stream is not None else get_current_stream()
-        m = stream._mark()
+    """Before a copy to or from the host: the copy's stream (default: the current one) is waited
+    for, as CuPy's synchronous copy does (cudaMemcpyAsync on that stream, then its synchronize), and
+    nothing else: work queued on other streams that it is not ordered after (by an event, or the
+    legacy null stream's rule) may still be pending, as on a GPU, where it may not have run yet.
+    Held by a running ring kernel, it blocks until its blocks return; a hung stream is left queued."""
+    stream = stream if stream is not None else get_current_stream()
+    if stream._capture is not None:  # (refused by the wait: a synchronization of a capturing stream)
+        with _lock:
+            m = stream._mark()
+    else:  # the copy queued on its stream: after what that stream is ordered after
+        m = _Marker()
+        stream._enqueue(m)
     if m is not None:
         stream._host_wait(m, stall_hangs=False)
 
