@@ -58,7 +58,7 @@ import numpy as np
 
 from .arrays import on_stream
 from .config import env
-from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, kernel, pointer
+from .devices.cuda import _OP_NAME, BLOCK, SUFFIX, capture_relaxed, kernel, pointer
 from .engine import Context, bind
 from .errors import AbortError, MismatchError, NotCoResident, TimeoutError
 from .ops import AVG, FLOAT_DTYPES, OPS, ReduceOp
@@ -424,9 +424,9 @@ class RingExecutor:
             way = None if own is None else (comm.position, own)  # (this rank's chunk: its ring place)
             host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, way)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
-            with on_stream(self.setup):
+            with capture_relaxed(), on_stream(self.setup):  # (allowed in a global-mode capture too)
                 table = self.cupy.asarray(host)
-            self.setup.synchronize()
+                self.setup.synchronize()
         else:
             with on_stream(device.stream):
                 table = self.cupy.asarray(host)

@@ -411,6 +411,36 @@ def test_kernel_calls_captured_in_a_cuda_graph_give_the_right_result_at_every_re
     comm.check_errors()
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_kernel_calls_captured_in_global_mode_as_pytorchs_graphs_capture():
+    """A capture in global mode (``torch.cuda.graph``'s default; CuPy's is relaxed) prohibits the
+    thread's "unsafe" CUDA calls, cudaMalloc among them: ringcomm's own allocations in a capture (a
+    new kind's step table, the graph's scratch, a result it allocates) are made with the thread's
+    capture mode relaxed (devices.cuda.capture_relaxed), so the capture holds; replays give the
+    right results."""
+    _use_local_gpu()
+    mpi = MPI.COMM_WORLD
+    n, r = mpi.size, mpi.rank
+    comm = comm_with("kernel")
+    count = 777
+    x, y = cupy.zeros(count, cupy.float32), cupy.zeros(count, cupy.float32)
+    comm.all_reduce(y)  # (the set-up, before the capture)
+    cupy.cuda.Device().synchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
+        comm.all_reduce(x, op="min", out=y, stream=s)  # a kind new to the communicator: its table
+        shard = comm.reduce_scatter(x, stream=s)  # the graph's scratch, and a result ringcomm allocates
+        graph = s.end_capture()
+    for i in range(20):
+        with s:
+            x[...] = i + r
+        graph.launch(stream=s)
+        assert (y.get(stream=s) == i).all(), f"replay {i}: all_reduce min"
+        assert (shard.get(stream=s) == n * i + n * (n - 1) // 2).all(), f"replay {i}: reduce_scatter"
+    comm.check_errors()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_reduce_scatter_into_its_own_chunk_of_x():
     """reduce_scatter(x, out=x[lo:hi]) on every transport: the result lands in x's own chunk (a ring

@@ -399,9 +399,11 @@ def _pool_alloc(nbytes: int) -> _PoolChunk:
         if _pool_free[(dev, size, stream)]:  # (a chunk the pool holds: no CUDA call)
             block, offset = _pool_free[(dev, size, stream)].pop()
             return _PoolChunk(block, offset, size, stream)
+    _unsafe_call()  # (else CuPy's pool calls cudaMalloc: here a part of a bigger shared block)
+    _make_context_current()
+    with _lock:
         block, used = _pool_block.get(dev, (None, 0))
-        if block is None or used + size > block.size:  # (a new block: cudaMalloc; else no CUDA call)
-            _make_context_current()
+        if block is None or used + size > block.size:
             ipc = os.environ.get("RINGCOMM_EMULATED_NO_IPC_POOL", "") != "1"
             block = _Allocation(max(_BLOCK, size), ipc=ipc)
             _pool_blocks.append(block)
@@ -449,6 +451,7 @@ class Memory:
     """A direct allocation (cudaMalloc): always exportable; cudaFree when the object goes."""
 
     def __init__(self, size: int) -> None:
+        _unsafe_call()
         _make_context_current()
         self.device_id = _current_device()  # CuPy's Memory.device_id
         self._a = _Allocation(size)
@@ -701,14 +704,16 @@ class Stream:
 
     # ---- CUDA graphs (stream capture): kernels only, as ringcomm captures them
     def begin_capture(self, mode=None) -> None:
-        """cudaStreamBeginCapture (CuPy's default mode, relaxed: other streams may still allocate,
-        copy and synchronize). Refused on the legacy null stream (by CuPy, a RuntimeError) and on a
-        stream already capturing."""
+        """cudaStreamBeginCapture in ``mode`` (runtime.streamCaptureMode*; CuPy's default: relaxed).
+        Refused on the legacy null stream (by CuPy, a RuntimeError) and on a stream already
+        capturing. A global or thread-local capture prohibits unsafe calls (_unsafe_call)."""
         if self.ptr == 0:
             raise RuntimeError("cannot capture on the default (legacy) stream")
         if self._capture is not None:
             raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
         self._capture = []
+        self._capture_mode = _CAPTURE_RELAXED if mode is None else int(mode)
+        self._capture_thread = threading.get_ident()
 
     def is_capturing(self) -> bool:
         """cudaStreamIsCapturing as CuPy raises it: a RuntimeError once an operation the capture
@@ -823,6 +828,37 @@ class Stream:
 
 
 _INVALIDATED = object()  # a capture's mark: an operation it could not hold was refused
+_CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED = 0, 1, 2  # cudaStreamCaptureMode
+
+
+def _exchange_capture_mode(mode: int) -> int:
+    """cudaThreadExchangeStreamCaptureMode: the calling thread's capture interaction mode set to
+    ``mode`` (CUDA's default: global); the previous one returned."""
+    before = getattr(_ctx, "capture_mode", _CAPTURE_GLOBAL)
+    _ctx.capture_mode = int(mode)
+    return before
+
+
+def _unsafe_call() -> None:
+    """A "potentially unsafe" call during stream capture (cudaMalloc, the example CUDA's
+    cudaThreadExchangeStreamCaptureMode gives: CuPy's pool and Memory): refused with
+    cudaErrorStreamCaptureUnsupported, invalidating the captures that prohibit it, when the calling
+    thread's interaction mode is global and this thread captures in a mode other than relaxed or
+    another thread captures in global mode, or thread-local and this thread captures in a mode other
+    than relaxed. A relaxed thread is never refused."""
+    mode = getattr(_ctx, "capture_mode", _CAPTURE_GLOBAL)
+    if mode == _CAPTURE_RELAXED:
+        return
+    me = threading.get_ident()
+    with _lock:
+        capturing = [t for t in Stream._by_ptr.values() if t._capture is not None]
+    mine = [t for t in capturing if t._capture_thread == me and t._capture_mode != _CAPTURE_RELAXED]
+    theirs = [t for t in capturing if t._capture_thread != me and t._capture_mode == _CAPTURE_GLOBAL]
+    prohibiting = mine + (theirs if mode == _CAPTURE_GLOBAL else [])
+    if prohibiting:
+        for t in prohibiting:
+            t._capture.append(_INVALIDATED)
+        raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
 
 
 class Graph:
@@ -1814,6 +1850,9 @@ def _memcpyAsync(dst: int, src: int, size: int, kind: int, stream_ptr: int) -> N
 
 
 runtime = types.SimpleNamespace(
+    streamCaptureModeGlobal=_CAPTURE_GLOBAL,
+    streamCaptureModeThreadLocal=_CAPTURE_THREAD_LOCAL,
+    streamCaptureModeRelaxed=_CAPTURE_RELAXED,
     getDevice=_current_device,
     setDevice=_set_device,
     getDeviceCount=_device_count,

@@ -39,6 +39,12 @@ class CUpointer_attribute(enum.IntEnum):  # noqa: N801 - cuda.h's spelling
     CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 
 
+class CUstreamCaptureMode(enum.IntEnum):
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+
 def _unsigned(value, bits: int, ctype: str) -> int:
     """Cython's conversion of a Python int to an unsigned C type: TypeError for a non-integer,
     OverflowError out of range (what cuda-bindings raises for such arguments)."""
@@ -134,3 +140,12 @@ def cuGetErrorName(error):  # noqa: N802
         return CUresult.CUDA_SUCCESS, CUresult(int(error)).name.encode()
     except ValueError:
         return CUresult.CUDA_ERROR_INVALID_VALUE, None
+
+
+def cuThreadExchangeStreamCaptureMode(mode):  # noqa: N802
+    """The calling thread's stream capture interaction mode set to ``mode``; the previous one
+    returned (a thread setting, no context needed)."""
+    err = _failing("cuThreadExchangeStreamCaptureMode")
+    if err is not None:
+        return err, CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+    return CUresult.CUDA_SUCCESS, CUstreamCaptureMode(cupy._exchange_capture_mode(CUstreamCaptureMode(int(mode))))
