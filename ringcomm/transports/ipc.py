@@ -136,7 +136,8 @@ class _Mapping:
 
 
 #: neighbour allocations opened by this process, keyed by handle bytes, shared by every transport
-#: (CUDA lets a process open a handle once); least recently used beyond MAX_MAPPINGS are closed
+#: (one mapping per handle: CUDA counts a repeated open of a handle, each needing its own close);
+#: least recently used beyond MAX_MAPPINGS are closed
 _mapped: collections.OrderedDict[bytes, _Mapping] = collections.OrderedDict()
 _mapped_lock = threading.Lock()
 
