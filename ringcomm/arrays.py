@@ -14,10 +14,8 @@ names no stream to order by.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,7 +25,9 @@ from .ops import SUPPORTED_DTYPES, bfloat16
 
 _address = buffer.frombuffer
 
-_DLPACK_CUDA = 2
+#: DLPack devices imported as GPU arrays (on the collective's stream: the producer orders its work
+#: before it): kDLCUDA, and kDLCUDAManaged, as CuPy's from_dlpack takes it
+_DLPACK_GPU_DEVICES = (2, 13)
 #: DLPack devices whose memory the host can read: kDLCPU, kDLCUDAHost, kDLROCMHost, kDLCUDAManaged
 #: (the ones numpy.from_dlpack accepts)
 _DLPACK_HOST_DEVICES = (1, 3, 11, 13)
@@ -53,10 +53,10 @@ def classify(x: Any, name: str, stream: Any = None) -> tuple[str, Any]:
         return "cuda", _cupy(name).asarray(x)
     if hasattr(x, "__dlpack_device__"):
         device_type = x.__dlpack_device__()[0]
+        if device_type in _DLPACK_GPU_DEVICES:
+            return "cuda", _cuda_from_dlpack(x, name, stream)
         if device_type in _DLPACK_HOST_DEVICES:  # (PyTorch's pinned CPU tensors: kDLCUDAHost)
             return "host", host_from_dlpack(x, name)
-        if device_type == _DLPACK_CUDA:
-            return "cuda", _cuda_from_dlpack(x, name, stream)
     raise TypeError(
         f"{name}: expected a numpy array, a CuPy array, or an object with __cuda_array_interface__ or "
         f"DLPack (e.g. a PyTorch tensor); got {type(x).__module__}.{type(x).__qualname__}"
@@ -175,7 +175,7 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
         if stream is None:
             return cp.cuda.get_current_stream()
         if type(stream) is cp.cuda.Stream or type(stream) is cp.cuda.ExternalStream:
-            return stream
+            return stream if stream.device_id in (-1, device_id) else None
         ours = torch is not None and isinstance(stream, torch.cuda.Stream) and stream.device_index == device_id
         return _external(stream, "stream") if ours else None
     current = torch.cuda.current_stream(device_id)
@@ -188,18 +188,23 @@ def lane_stream(x: Any, stream: Any, device_id: int) -> Any:
     return _external(current, "x")
 
 
-@contextlib.contextmanager
-def on_stream(stream: Any) -> Iterator[None]:
+class on_stream:  # noqa: N801 - used as a function
     """CuPy stream ``stream`` current inside the block, the caller's current stream again after it.
 
     Not ``with stream:``: leaving that block makes the stream of CuPy's enclosing ``with`` current,
     which is not the caller's when the caller made one current by ``Stream.use()``."""
-    before = sys.modules["cupy"].cuda.get_current_stream()
-    stream.use()
-    try:
-        yield
-    finally:
-        before.use()
+
+    __slots__ = ("stream", "before")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.before = sys.modules["cupy"].cuda.get_current_stream()
+        self.stream.use()
+
+    def __exit__(self, *exc: object) -> None:
+        self.before.use()
 
 
 def _cuda_from_dlpack(x: Any, name: str, stream: Any) -> Any:

@@ -47,6 +47,11 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
     device = comm._device(kind, run_on)
     _on_device(a, kind, device, name)
+    if kind != "host" and (where := getattr(device.stream, "device_id", -1)) not in (-1, device.device_id):
+        raise RuntimeError(
+            f"stream: a stream of GPU {where}, but the current device is GPU {device.device_id}: make GPU {where} "
+            f"current (cupy.cuda.Device({where}).use()) or pass a stream of GPU {device.device_id}"
+        )
     if kind != "host" and comm.size > 1 and device.stream.is_capturing():
         _capturable(comm, kind, name, device.device_id)
     return kind, flat(a, name), device

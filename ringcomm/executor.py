@@ -350,7 +350,11 @@ class RingExecutor:
         key = self.key(ctx, steps, bounds, work is src, result_chunks, way)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
-            call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
+            if not ctx.device.stream.is_capturing():
+                call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
+            else:  # (its allocation, copy, kernel load and event queries are no part of the graph)
+                with capture_relaxed():
+                    call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
         acc, mine = ctx.acc, None if own is None else own[0]
         at = (pointer(work), pointer(src), 0 if acc is None else pointer(acc), 0 if mine is None else pointer(mine))
         return self.launch(key, call, ctx.device, *at)
@@ -424,9 +428,9 @@ class RingExecutor:
             way = None if own is None else (comm.position, own)  # (this rank's chunk: its ring place)
             host = step_table(steps, bounds, in_place, result_chunks, ctx.wide, way)
         if device.stream.is_capturing():  # no copy may join a capture: on a stream of its own, waited for
-            with capture_relaxed(), on_stream(self.setup):  # (allowed in a global-mode capture too)
+            with on_stream(self.setup):
                 table = self.cupy.asarray(host)
-                self.setup.synchronize()
+            self.setup.synchronize()
         else:
             with on_stream(device.stream):
                 table = self.cupy.asarray(host)

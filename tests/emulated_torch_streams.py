@@ -9,7 +9,8 @@ torch/_tensor.py, torch/utils/dlpack.py):
   default stream (handle 0), or the stream made current by ``torch.cuda.set_stream`` or inside
   ``with torch.cuda.stream(s)``; ``default_stream``, ``current_device``;
 - streams: ``cuda_stream``, ``device_index``, ``__cuda_stream__``; equal when their device and
-  stream id are (a pool stream's id is odd, an ``ExternalStream(ptr, device=None)``'s is ptr: an
+  stream id are (a pool stream's id is odd, an ``ExternalStream(ptr, device=None)``'s is even (on a
+  GPU the pointer itself, aligned; here 2 x ptr, the emulated handles being small integers): an
   ExternalStream over a pool stream's handle is not equal to it); ``Event(enable_timing=False,
   blocking=False, interprocess=False, external=False)`` and ``record(stream=None)``;
 - ``torch.from_dlpack(x, *, device=None, copy=None)`` of a CuPy array: a tensor over its memory on
@@ -78,7 +79,7 @@ class TorchExternalStream(TorchStream):
     def __init__(self, stream_ptr: int, device: object = None) -> None:
         handle = types.SimpleNamespace(__cuda_stream__=lambda: (0, stream_ptr))
         super().__init__(cupy.cuda.Stream.from_external(handle), _index(device))
-        self._id = stream_ptr
+        self._id = 2 * stream_ptr  # (a handle as a pool stream's id would be odd: never equal to one)
 
 
 class TorchEvent:

@@ -97,9 +97,10 @@ def test_bfloat16_dlpack_is_viewed_without_a_copy(comm):
 
 
 def test_dlpack_host_memory_of_every_kind_runs_on_the_host(comm):
-    """Pinned (kDLCUDAHost: PyTorch's pin_memory() tensors), ROCm pinned and managed memory are
-    host memory: viewed without a copy and reduced on the host, as a CPU tensor."""
-    for device_type in (1, 3, 11, 13):
+    """Pinned memory (kDLCUDAHost: PyTorch's pin_memory() tensors; kDLROCMHost) is host memory:
+    viewed without a copy and reduced on the host, as a CPU tensor. (Managed memory is imported as
+    a GPU array, as CuPy's from_dlpack takes it, on the collective's stream.)"""
+    for device_type in (1, 3, 11):
         base = np.arange(40, dtype=np.float32) + device_type
         x = Producer(base, device=(device_type, 0))
         kind, a = classify(x, "x")

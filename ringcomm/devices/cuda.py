@@ -292,7 +292,7 @@ _retired: list[tuple[Any, LastUse]] = []
 class CudaDevice:
     """Reduce and copy GPU arrays with ringcomm's kernels, queued on ``stream``.
 
-    ``stream``: a ``cupy.cuda.Stream`` (or anything with ``.ptr``, ``.synchronize()`` and
+    ``stream``: a ``cupy.cuda.Stream`` (or anything with ``.ptr``, ``.use()``, ``.synchronize()`` and
     ``.is_capturing()``, such as ``cupy.cuda.ExternalStream``); default: CuPy's current stream.
     Nothing here blocks the host except :meth:`synchronize`.
     """

@@ -708,8 +708,8 @@ def test_a_collective_leaves_the_callers_current_stream_current():
 
 @pytest.mark.parallel(nprocs=[2])
 def test_an_array_on_another_gpu_is_refused_before_any_communication():
-    """x or out on a GPU other than the current one raises RuntimeError on the rank that passed it,
-    before any communication (its kernels could not touch that memory without peer access, and a
+    """x or out (or stream=) on a GPU other than the current one raises RuntimeError on the rank
+    that passed it, before any communication (its kernels could not touch that memory without peer access, and a
     ring kernel launched on the current GPU would fault), also for a call like one that took a kernel
     lane before; the communicator goes on working."""
     if _ngpu < 2:
@@ -740,6 +740,15 @@ def test_an_array_on_another_gpu_is_refused_before_any_communication():
                     pytest.fail(f"{transport}, {name}: {what} on another GPU ran")
                 except RuntimeError as e:
                     assert f"{what}: the array is on GPU {(here + 1) % _ngpu}, but the" in str(e), f"{name}: {e}"
+        with cupy.cuda.Device((here + 1) % _ngpu):
+            far_stream = cupy.cuda.Stream(non_blocking=True)
+        for _ in range(2):  # (the second like a call that took the lane: refused too)
+            comm.all_reduce(near.copy())
+            try:
+                comm.all_reduce(near.copy(), stream=far_stream)
+                pytest.fail(f"{transport}: a stream of another GPU ran")
+            except RuntimeError as e:
+                assert f"stream: a stream of GPU {(here + 1) % _ngpu}, but the" in str(e), str(e)
         got = comm.all_reduce(near.copy())
         assert (host(got) == n * (n + 1) / 2).all(), f"{transport}: {host(got)[:3]}"
         comm.close()

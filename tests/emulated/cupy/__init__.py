@@ -8,8 +8,9 @@ GPU tests themselves run end to end before they meet a real GPU. What is emulate
   ``empty`` sub-allocates 512-byte aligned chunks from 2 MiB blocks (as CuPy's pool does), so IPC
   sees arrays at offsets inside an allocation. RINGCOMM_EMULATED_NO_IPC_POOL=1 makes pool blocks
   not exportable (like stream-ordered allocations), to exercise the IPC scratch path.
-- IPC: a handle names the shared-memory file; opening maps it. Opening a handle of this process,
-  or opening one handle twice, raises (as CUDA does), so the transport's cache is checked.
+- IPC: a handle names the shared-memory file; opening maps it. Opening a handle of this process
+  raises, as CUDA does; opening one handle twice raises too (CUDA counts it: stricter here, so that
+  the transport's cache is checked).
 - kernels: ``RawModule`` runs ringcomm's kernels through tests/csrc_harness.cpp (built by the
   caller, path in RINGCOMM_EMULATED_HARNESS): every thread of the launched grid, with every
   pointer checked to lie in emulated device memory and every vector access checked for alignment.
@@ -699,6 +700,7 @@ class Stream:
 
     def synchronize(self) -> None:
         self._refuse_in_capture()
+        _unsafe_call()
         self._host_wait(None)
         _check_violations()
 
@@ -822,6 +824,7 @@ class Stream:
     @property
     def done(self) -> bool:
         """cudaStreamQuery: runs what can run, never blocks (False while a ring kernel ahead runs)."""
+        _unsafe_call()
         with _lock:
             m = self._mark()
             return m is None or self._advance(m) is True
@@ -837,6 +840,14 @@ def _exchange_capture_mode(mode: int) -> int:
     before = getattr(_ctx, "capture_mode", _CAPTURE_GLOBAL)
     _ctx.capture_mode = int(mode)
     return before
+
+
+def _hardware_device(stream) -> int:
+    """The device a stream belongs to on the GPU (its queue's), whatever CuPy's ``device_id`` says
+    (-1 for the null stream, an ExternalStream or Stream.from_external: the current device then
+    only for the null stream, which is every device's)."""
+    dev = stream.__dict__.get("_device_id", -1) if isinstance(stream, Stream) else stream._stream._device_id
+    return _current_device() if dev == -1 else dev
 
 
 def _unsafe_call() -> None:
@@ -1014,14 +1025,11 @@ def _flush_all(stream: Stream | None = None) -> None:
     legacy null stream's rule) may still be pending, as on a GPU, where it may not have run yet.
     Held by a running ring kernel, it blocks until its blocks return; a hung stream is left queued."""
     stream = stream if stream is not None else get_current_stream()
-    if stream._capture is not None:  # (refused by the wait: a synchronization of a capturing stream)
-        with _lock:
-            m = stream._mark()
-    else:  # the copy queued on its stream: after what that stream is ordered after
-        m = _Marker()
-        stream._enqueue(m)
-    if m is not None:
-        stream._host_wait(m, stall_hangs=False)
+    stream._refuse_in_capture()  # (its synchronize: refused in a capture, invalidating it)
+    _unsafe_call()
+    m = _Marker()  # the copy queued on its stream: after what that stream is ordered after
+    stream._enqueue(m)
+    stream._host_wait(m, stall_hangs=False)
 
 
 def _flush_device(device: int) -> None:
@@ -1048,7 +1056,7 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream if stream is not None else get_current_stream()
-        if (_current_device() if stream.device_id == -1 else stream.device_id) != self.device_id:
+        if _hardware_device(stream) != self.device_id:
             raise CUDARuntimeError(400)
         marker = _Marker()
         stream._enqueue(marker)
@@ -1057,6 +1065,7 @@ class Event:
     @property
     def done(self) -> bool:
         """cudaEventQuery: runs what can run, never blocks."""
+        _unsafe_call()
         if self._stream is not None:
             with _lock:
                 self._stream._advance(self._marker)
@@ -1066,6 +1075,7 @@ class Event:
     def synchronize(self) -> None:
         """cudaEventSynchronize: blocks while a ring kernel runs ahead of the work before it; never returns
         on a hung stream."""
+        _unsafe_call()
         if self._stream is not None:
             self._stream._host_wait(self._marker)
 
@@ -1105,6 +1115,7 @@ class Device:
         return "90"
 
     def synchronize(self) -> None:
+        _unsafe_call()
         _flush_device(_check_device(self.id))
 
     def __enter__(self) -> Device:
@@ -1547,7 +1558,7 @@ class _Kernel:
         _make_context_current()  # (CuPy's runtime._ensure_context before cuLaunchKernel)
         dev = _current_device()
         stream = stream if stream is not None else get_current_stream()
-        if stream.device_id not in (-1, dev):
+        if _hardware_device(stream) != dev:
             # "A kernel launch will fail if it is issued to a stream that is not associated to the
             # current device" (CUDA C++ Programming Guide, Stream and Event Behavior): cuLaunchKernel
             # returns CUDA_ERROR_INVALID_HANDLE, which CuPy raises as CUDADriverError
