@@ -46,12 +46,9 @@ def _input(comm: Any, x: Any, name: str, op: ReduceOp | None, stream: Any) -> tu
     if stream is not None and kind == "host":
         raise TypeError(f"{name}: stream= applies to GPU arrays only; got a numpy array and stream={stream!r}")
     device = comm._device(kind, run_on)
-    _on_device(a, kind, device, name)
-    if kind != "host" and (where := getattr(device.stream, "device_id", -1)) not in (-1, device.device_id):
-        raise RuntimeError(
-            f"stream: a stream of GPU {where}, but the current device is GPU {device.device_id}: make GPU {where} "
-            f"current (cupy.cuda.Device({where}).use()) or pass a stream of GPU {device.device_id}"
-        )
+    if kind != "host":
+        _on_device(a.data.device_id, device, f"{name}: the array is on", "an array")
+        _on_device(getattr(device.stream, "device_id", -1), device, "stream: a stream of", "a stream")
     if kind != "host" and comm.size > 1 and device.stream.is_capturing():
         _capturable(comm, kind, name, device.device_id)
     return kind, flat(a, name), device
@@ -86,7 +83,8 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any
     okind, o = ("host", out) if type(out) is np.ndarray else classify(out, name, device.stream)
     if okind != kind:
         raise TypeError(f"{name}: the input is a {kind} array but {name} is a {okind} array; use one kind for both")
-    _on_device(o, kind, device, name)
+    if kind != "host":
+        _on_device(o.data.device_id, device, f"{name}: the array is on", "an array")
     if o.dtype != dtype:
         raise TypeError(f"{name}: dtype {o.dtype} differs from the input's {dtype}; pass an array of dtype {dtype}")
     if count is not None and o.size != count:
@@ -95,14 +93,14 @@ def _output(out: Any, kind: str, dtype: np.dtype, count: int | None, device: Any
     return flat(o, name)
 
 
-def _on_device(a: Any, kind: str, device: Any, name: str) -> None:
-    """RuntimeError unless the GPU array ``a`` (a CuPy array) lies on the device of the call
-    (CuPy's current one), whose kernels could not touch another GPU's memory without peer access."""
-    if kind != "host" and (where := a.data.device_id) != device.device_id:
+def _on_device(where: int, device: Any, what: str, other: str) -> None:
+    """RuntimeError unless GPU ``where`` (-1: any) is the call's, CuPy's current device: its kernels
+    could not touch another GPU's memory without peer access, nor be launched on its streams.
+    ``what``: the message's subject ("x: the array is on"); ``other``: what to pass instead."""
+    if where not in (-1, device.device_id):
         raise RuntimeError(
-            f"{name}: the array is on GPU {where}, but the current device is GPU {device.device_id}: make GPU "
-            f"{where} current (cupy.cuda.Device({where}).use(), torch.cuda.set_device) or pass an array of GPU "
-            f"{device.device_id}"
+            f"{what} GPU {where}, but the current device is GPU {device.device_id}: make GPU {where} current "
+            f"(cupy.cuda.Device({where}).use(), torch.cuda.set_device) or pass {other} of GPU {device.device_id}"
         )
 
 

@@ -350,11 +350,8 @@ class RingExecutor:
         key = self.key(ctx, steps, bounds, work is src, result_chunks, way)
         call = self.calls.get(key)
         if call is None or call[0] is not steps:
-            if not ctx.device.stream.is_capturing():
+            with capture_relaxed(ctx.device.stream):  # (its allocation, copy, kernel load, event queries)
                 call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
-            else:  # (its allocation, copy, kernel load and event queries are no part of the graph)
-                with capture_relaxed():
-                    call = self._prepare(key, ctx, steps, bounds, work is src, result_chunks, way)
         acc, mine = ctx.acc, None if own is None else own[0]
         at = (pointer(work), pointer(src), 0 if acc is None else pointer(acc), 0 if mine is None else pointer(mine))
         return self.launch(key, call, ctx.device, *at)

@@ -9,12 +9,10 @@ Also here: :func:`fused_adam`, one pass of AdamW over a shard (csrc/optimizer.cu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.resources
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,27 +216,41 @@ def mps_enabled(device_id: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def capture_relaxed() -> Iterator[None]:
-    """The calling thread's stream capture interaction mode relaxed inside the block
-    (cuThreadExchangeStreamCaptureMode, push-pop, as PyTorch's CUDAStreamCaptureModeGuard): a
-    capture in global or thread-local mode (``torch.cuda.graph``'s default is global) prohibits the
-    thread's "unsafe" calls, cudaMalloc among them, and fails and invalidates on one. For ringcomm's
-    own allocations and copies made while a stream captures, which the graph does not hold: they
-    live as long as the communicator."""
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:
-        raise RuntimeError(
-            f"a collective in a CUDA graph capture needs NVIDIA's cuda-bindings: pip install 'ringcomm[cuda]' ({e})"
-        ) from e
-    err, before = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-    if int(err) != 0:
-        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode returned CUresult {int(err)}")
-    try:
-        yield
-    finally:
-        driver.cuThreadExchangeStreamCaptureMode(before)
+class capture_relaxed:  # noqa: N801 - used as a function
+    """While ``stream`` captures, the calling thread's stream capture interaction mode relaxed
+    inside the block (cuThreadExchangeStreamCaptureMode, push-pop, as PyTorch's
+    CUDAStreamCaptureModeGuard); nothing otherwise. A capture in global or thread-local mode
+    (``torch.cuda.graph``'s default is global) prohibits the thread's "unsafe" calls, cudaMalloc,
+    event queries and synchronizations among them, and fails and invalidates on one. For what
+    ringcomm does outside the graph while a stream captures: its allocations, copies and waits,
+    which live as long as the communicator."""
+
+    __slots__ = ("driver", "before")
+
+    def __init__(self, stream: Any) -> None:
+        self.driver = None
+        if stream.is_capturing():
+            try:
+                from cuda.bindings import driver
+            except ImportError as e:
+                raise RuntimeError(
+                    "a collective in a CUDA graph capture needs NVIDIA's cuda-bindings: pip install "
+                    f"'ringcomm[cuda]' ({e})"
+                ) from e
+            self.driver = driver
+
+    def __enter__(self) -> None:
+        cu = self.driver
+        if cu is not None:
+            err, self.before = cu.cuThreadExchangeStreamCaptureMode(
+                cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+            )
+            if int(err) != 0:
+                raise RuntimeError(f"cuThreadExchangeStreamCaptureMode returned CUresult {int(err)}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.driver is not None:
+            self.driver.cuThreadExchangeStreamCaptureMode(self.before)
 
 
 def max_blocks(k: Any, name: str, device_id: int) -> int:
@@ -437,11 +449,8 @@ class CudaDevice:
         allocated on, and is reused only by later allocations on that stream, which are ordered
         after its last use there. An array written on this stream must be allocated on it.
         """
-        with self.xp.cuda.Device(self.device_id), on_stream(self.stream):
-            if not self.stream.is_capturing():
-                return self.xp.empty(int(count), dtype)
-            with capture_relaxed():  # (the graph's own memory: allocated once, at the capture)
-                return self.xp.empty(int(count), dtype)
+        with self.xp.cuda.Device(self.device_id), on_stream(self.stream), capture_relaxed(self.stream):
+            return self.xp.empty(int(count), dtype)  # (in a capture: the graph's own, allocated once)
 
     def synchronize(self, ctx: Any, step: int | None, peer: int, what: str, *args: Any) -> None:
         """Wait until everything queued on the stream is done, polling an event within the

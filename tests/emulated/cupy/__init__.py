@@ -1018,7 +1018,7 @@ def get_current_stream(device_id: int = -1) -> Stream:
     return _streams().current[_current_device() if device_id == -1 else int(device_id)]
 
 
-def _flush_all(stream: Stream | None = None) -> None:
+def _host_copy_wait(stream: Stream | None = None) -> None:
     """Before a copy to or from the host: the copy's stream (default: the current one) is waited
     for, as CuPy's synchronous copy does (cudaMemcpyAsync on that stream, then its synchronize), and
     nothing else: work queued on other streams that it is not ordered after (by an event, or the
@@ -1295,7 +1295,7 @@ class ndarray:
         return int(self.get())
 
     def get(self, stream=None, out: np.ndarray | None = None) -> np.ndarray:
-        _flush_all(stream)
+        _host_copy_wait(stream)
         _check_violations()
         if out is None:
             return self._np().copy()
@@ -1303,7 +1303,7 @@ class ndarray:
         return out
 
     def set(self, arr: np.ndarray) -> None:
-        _flush_all()
+        _host_copy_wait()
         self._np()[...] = arr
 
     def __repr__(self) -> str:
