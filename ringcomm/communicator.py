@@ -310,6 +310,9 @@ class Communicator:
         """Free the communicator's MPI resources (collective, like MPI_Comm_free); later calls raise.
 
         Also available as a context manager: ``with ringcomm.init() as comm: ...``.
+        A ring kernel's failure that no call or ``check_errors()`` raised yet (``kernel``: a call
+        returns before its kernel runs) is raised here, once everything is freed: the last kernels
+        end (within the deadline) before the communicator is.
         """
         if self._aborted == _CLOSED:
             return
@@ -319,6 +322,9 @@ class Communicator:
             link.close()
         for ex in self._executors.values():
             ex.close()
+        if not self._aborted:  # (an aborted communicator raised its error already)
+            self._poll_executors()
+        late = None if self._aborted else self._late_error
         self._executors.clear()
         self._graph_scratch.clear()
         self._transports.clear()
@@ -334,6 +340,8 @@ class Communicator:
             self._gather_mpi.Free()
             self.mpi.Free()
             self._aborted = _CLOSED
+        if late is not None:
+            raise late
 
     def _free_window(self, window: SharedWindow) -> None:
         """Free the shared-memory window. MPI_Win_free synchronizes every rank and has no

@@ -21,7 +21,7 @@ on expiry (or a neighbour's call that differs: each call's first piece is a head
 number, collective, dtype, op, root and count) the kernel records what it waited for in the error
 record, marks both neighbours aborted (they stop at once, naming the origin) and returns. The host
 raises the error (:class:`ringcomm.TimeoutError`, :class:`ringcomm.AbortError`,
-:class:`ringcomm.MismatchError`) at the next call or ``check_errors()``.
+:class:`ringcomm.MismatchError`) at the next call, ``check_errors()`` or ``close()``.
 
 With accumulate="float32" on a half type the partial sums live in a float32 scratch (the engine's
 ACC) and travel in float32, as the engine's loop has them.

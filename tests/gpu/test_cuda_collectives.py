@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 cupy, _ngpu = require_gpu()
 
+import ringcomm  # noqa: E402
 from ringcomm.devices.cuda import mps_enabled  # noqa: E402
 from ringcomm.ops import ReduceOp  # noqa: E402
 from ringcomm.ops import bfloat16 as ringcomm_bfloat16  # noqa: E402
@@ -439,6 +440,27 @@ def test_kernel_calls_captured_in_global_mode_as_pytorchs_graphs_capture():
         assert (y.get(stream=s) == i).all(), f"replay {i}: all_reduce min"
         assert (shard.get(stream=s) == n * i + n * (n - 1) // 2).all(), f"replay {i}: reduce_scatter"
     comm.check_errors()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_ring_kernels_failure_that_no_call_raised_is_raised_by_close():
+    """A kernel call returns before its kernel runs. The failure that kernel records (here rank 0's
+    count differs: a mismatch, and an abort on the ranks it tells), when no later call or
+    check_errors() raised it, is raised by close() on every rank, once the communicator is freed (a
+    later call says it is closed; a second close() does nothing)."""
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    comm = comm_with("kernel")
+    x = cupy.ones(1007 if r == 0 else 1000, cupy.float32)
+    comm.all_reduce(x)
+    cupy.cuda.get_current_stream().synchronize()  # every rank's kernel has ended, its failure recorded
+    with pytest.raises((ringcomm.MismatchError, ringcomm.AbortError), match="all_reduce"):
+        comm.close()
+    with pytest.raises(ringcomm.RingcommError, match="closed"):
+        comm.all_reduce(x)
+    comm.close()
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
