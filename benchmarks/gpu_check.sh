@@ -20,7 +20,8 @@
 #    the NCCL 2.30 carried in .nccl/ (below) and reads its ncclGetVersion;
 # 2. NCCL 2.30's smoke test (.nccl/gpu_smoke_test.py: ctypes only, 1 rank, then 2 ranks on the one GPU), where
 #    it was carried; its output in $OUT/nccl_smoke.txt;
-# 3. compiles the kernels once (NVRTC through CuPy; CuPy's disk cache keeps them for the ranks);
+# 3. compiles every kernel once (NVRTC through CuPy, the 48 ring kernels too, a thread per CPU; CuPy's disk
+#    cache keeps them for the ranks, so that no test or bench compiles);
 # 4. the GPU tests (tests/gpu) at N = 1 (the kernel tests too) and N = 2 ranks on the GPU;
 # 5. the kernel benchmark (benchmarks/kernel_bench.py: reduce/copy against cudaMemcpy and cupy.add);
 # 6. all-reduce of 1 GiB with 2 ranks on the one GPU, IPC against staged (benchmarks/allreduce_transports.py),
@@ -75,20 +76,23 @@ BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for everything
 # each row's check of up to 1 GiB) took their seconds from the steps with the most room. The graph replay (2 ranks:
 # Python, CuPy and NCCL's start, then 8 rows of 1000 eager and 1000 replayed calls, each under 0.1 s on a GPU) took
 # 25 s from the one-kernel bench and the N = 2 tests, an estimate too; the host cost's five collectives at N = 2
-# (30 rows of about 220 calls) 8 s more, from the one-kernel bench and the N = 3, 4 tests.
+# (30 rows of about 220 calls) 8 s more, from the one-kernel bench and the N = 3, 4 tests. The compile step
+# compiles the ring kernels too (NVRTC: about 2.3 s each on this 2-core CPU, 48 of them, compiled in parallel
+# threads since 2026-12-07); before, each test process compiled the ones it used at their first call, about
+# 110 s in the N = 1 tests alone: 15 s more for it, from the N = 2 and N = 3, 4 tests, which no longer compile.
 PLAN=(
     "setup 15"
     "nccl smoke 20"
-    "compile 15"
+    "compile 30"
     "tests N=1 35"
-    "tests N=2 80"
+    "tests N=2 70"
     "kernel bench 13"
     "allreduce ipc vs staged 13"
     "gpu host cost 20"
     "ringcomm-bench 30"
     "one-kernel bench 81"
     "graph replay 25"
-    "tests N=3,4 63"
+    "tests N=3,4 58"
     "zero GPU tests 10"
 )
 declare -A LIMIT=()

@@ -43,8 +43,9 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         tests = [
             "tests/gpu/test_cuda_topology.py",
             "tests/gpu/test_cuda_collectives.py",
+            "tests/gpu/test_cuda_kernels.py",
             "-k",
-            "mixed or every_op_and_dtype or back_to_back or another_gpu",
+            "mixed or every_op_and_dtype or back_to_back or another_gpu or warm_up",
         ]
     run = run_emulated(env, ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests], 900)
     tail = (run.stdout + run.stderr)[-6000:]

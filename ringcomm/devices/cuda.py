@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,7 @@ def kernel_source(name: str) -> str:
 
 
 _lock = threading.Lock()
-_modules: dict[str, Any] = {}
+_modules: dict[str, tuple[Any, threading.Lock]] = {}  # (module, held while it compiles)
 _kernels: dict[str, Any] = {}
 _blocks_per_sm: dict[tuple[str, int], int] = {}
 _sm_count: dict[int, int] = {}
@@ -171,30 +173,54 @@ def kernel(file: str, name: str) -> Any:
     """The RawKernel ``name`` of csrc/<file>; the first call compiles the whole file (NVRTC; ring.cu:
     that kernel alone).
 
-    A compilation that fails (no NVRTC library, no CUDA headers) raises RuntimeError saying how
-    to install what is missing.
+    A module is compiled once; different modules compile at the same time in different threads
+    (NVRTC runs without the GIL: :func:`warm_up`). A compilation that fails (no NVRTC library, no
+    CUDA headers) raises RuntimeError saying how to install what is missing.
     """
     k = _kernels.get(name)
     if k is None:
         cp = _require_cupy()
         key, code, options = _module_source(file, name)
         with _lock:
-            mod = _modules.get(key)
-            if mod is None:
-                mod = _modules[key] = cp.RawModule(code=code, options=options)
-            try:
-                k = _kernels[name] = mod.get_function(name)  # CuPy compiles here, on first use
-            except Exception as e:  # noqa: BLE001 - CuPy raises RuntimeError, CompileException, ...
-                raise RuntimeError(f"compiling csrc/{file} failed ({type(e).__name__}: {e}). {NVRTC_FIX}") from e
+            if key not in _modules:
+                _modules[key] = (cp.RawModule(code=code, options=options), threading.Lock())
+            mod, compiling = _modules[key]
+        with compiling:
+            k = _kernels.get(name)
+            if k is None:
+                try:
+                    k = _kernels[name] = mod.get_function(name)  # CuPy compiles here, on first use
+                except Exception as e:  # noqa: BLE001 - CuPy raises RuntimeError, CompileException, ...
+                    raise RuntimeError(f"compiling csrc/{file} failed ({type(e).__name__}: {e}). {NVRTC_FIX}") from e
     return k
 
 
-def warm_up() -> None:
-    """Compile every kernel file for the current device now (NVRTC; CuPy's disk cache keeps the result)."""
-    kernel("reduce.cu", "ringcomm_reduce_sum_f32")
-    kernel("copy.cu", "ringcomm_copy")
-    kernel("optimizer.cu", "ringcomm_adam_f32_f32_none")
-    kernel("accumulate.cu", "ringcomm_widen_f16")
+def every_kernel() -> list[tuple[str, str]]:
+    """(file, kernel) of one kernel per module ringcomm compiles: each csrc file but ring.cu, and
+    every ring kernel (ring.cu's are compiled one at a time)."""
+    files = [
+        ("reduce.cu", "ringcomm_reduce_sum_f32"),
+        ("copy.cu", "ringcomm_copy"),
+        ("optimizer.cu", "ringcomm_adam_f32_f32_none"),
+        ("accumulate.cu", "ringcomm_widen_f16"),
+    ]
+    ops = dict.fromkeys(_OP_NAME.values())
+    return files + [("ring.cu", f"ringcomm_ring_{op}_{suffix}") for suffix in SUFFIX.values() for op in ops]
+
+
+def warm_up(jobs: int | None = None) -> None:
+    """Compile every kernel for the current device now (NVRTC; CuPy's disk cache keeps the result
+    for later processes): each csrc file, and the 48 ring kernels of ``RINGCOMM_TRANSPORT=kernel``,
+    which are otherwise compiled at their first use, about 2 s each. ``jobs`` threads compile at
+    once (default: the CPUs this process may use)."""
+    device = _require_cupy().cuda.runtime.getDevice()
+
+    def compile_one(job: tuple[str, str]) -> None:
+        cupy.cuda.runtime.setDevice(device)  # (a new thread's current device is 0: CuPy compiles and loads for it)
+        kernel(*job)
+
+    with ThreadPoolExecutor(jobs or len(os.sched_getaffinity(0))) as pool:
+        list(pool.map(compile_one, every_kernel()))
 
 
 def sm_count(device_id: int) -> int:

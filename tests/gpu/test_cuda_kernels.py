@@ -10,6 +10,8 @@ odd offsets so the scalar head, the vector body and the scalar tail all run, and
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from conftest import require_gpu
 
 cupy, _ngpu = require_gpu()
 
+from ringcomm.devices import cuda as cuda_device  # noqa: E402
 from ringcomm.devices.cuda import CudaDevice, fused_adam  # noqa: E402
 from ringcomm.devices.host import HostDevice  # noqa: E402
 from ringcomm.ops import FLOAT_DTYPES, HALF_DTYPES, SUPPORTED_DTYPES, ReduceOp  # noqa: E402
@@ -384,3 +387,28 @@ def test_fused_adam_validates():
         fused_adam(p, g, m, v, step=1, out=cupy.zeros(8, np.int32), **hp)
     with pytest.raises(TypeError, match="host"):
         fused_adam(np.zeros(8, np.float32), g, m, v, step=1, **hp)
+
+
+def test_warm_up_compiles_every_kernel_for_the_current_device(monkeypatch):
+    """cuda.warm_up() compiles every module ringcomm loads (each csrc file, and the 48 ring kernels,
+    compiled one at a time), in threads of its own, each for the caller's current device (a new
+    thread's is device 0: here the last device, where there are several), so that no later call
+    compiles. (Where a GPU is, CuPy's disk cache keeps the binaries: benchmarks/gpu_check.sh's
+    compile step runs it once, before the tests.)"""
+    device = cupy.cuda.runtime.getDeviceCount() - 1
+    monkeypatch.setattr(cuda_device, "_modules", {})
+    monkeypatch.setattr(cuda_device, "_kernels", {})
+    threads, kernel = set(), cuda_device.kernel
+
+    def recorded(file: str, name: str):
+        threads.add(threading.get_ident())
+        return kernel(file, name)
+
+    monkeypatch.setattr(cuda_device, "kernel", recorded)
+    with cupy.cuda.Device(device):
+        cuda_device.warm_up(jobs=4)
+    names = [name for _, name in cuda_device.every_kernel()]
+    assert len(names) == 4 + 4 * len(cuda_device.SUFFIX) and sorted(cuda_device._kernels) == sorted(names)
+    assert len(cuda_device._modules) == len(names) and threading.get_ident() not in threads
+    if getattr(cupy, "_emulated", False):  # (the stand-in's modules say which devices they were loaded for)
+        assert all(mod.loaded == {device} for mod, _ in cuda_device._modules.values())

@@ -1524,8 +1524,8 @@ class _Kernel:
     """CuPy's RawKernel, as RawModule.get_function returns it: ``.kernel`` its Function, whose
     ``ptr`` is the CUfunction the driver's queries take."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, module: RawModule) -> None:
+        self.name, self.module = name, module
         self.kernel = types.SimpleNamespace(ptr=next(_ids))
         _functions[self.kernel.ptr] = self
         parts = name.split("_")
@@ -1557,6 +1557,8 @@ class _Kernel:
             raise RuntimeError(f"{self.name}: launched with {block} threads per block, the kernels need 512")
         _make_context_current()  # (CuPy's runtime._ensure_context before cuLaunchKernel)
         dev = _current_device()
+        if dev not in self.module.loaded:  # (CuPy compiles and loads the module for this device first)
+            self.module._load()
         stream = stream if stream is not None else get_current_stream()
         if _hardware_device(stream) != dev:
             # "A kernel launch will fail if it is issued to a stream that is not associated to the
@@ -1701,20 +1703,31 @@ class _Kernel:
 
 
 class RawModule:
+    """CuPy's RawModule: compiled, and loaded into the current device's context, for each device it
+    is used on (CuPy's _get_raw_module is memoized per device): by get_function for the calling
+    thread's current device (0 in a new thread until it sets one), and again by a launch on another.
+    ``loaded``: those devices (what a test of a warm-up looks at)."""
+
     def __init__(self, code: str | None = None, path: str | None = None, options=(), **kw) -> None:
         if 'extern "C"' not in (code or ""):
             raise RuntimeError('emulated cupy: RawModule without extern "C" kernels')
         self.code = code
+        self.loaded: set[int] = set()
 
-    def get_function(self, name: str) -> _Kernel:
-        # CuPy compiles on the first get_function. RINGCOMM_EMULATED_NO_NVRTC=1: a machine with
-        # only a driver, where CuPy cannot load NVRTC (the error CuPy 14 raises then)
+    def _load(self) -> None:
+        # RINGCOMM_EMULATED_NO_NVRTC=1: a machine with only a driver, where CuPy cannot load NVRTC
+        # (the error CuPy 14 raises then)
         if os.environ.get("RINGCOMM_EMULATED_NO_NVRTC", "") == "1":
             raise RuntimeError(
                 "CuPy failed to load libnvrtc.so.13: OSError: libnvrtc.so.13: cannot open shared object file: "
                 "No such file or directory"
             )
-        return _Kernel(name)  # the names come from macros in the source; _Kernel checks their form
+        _make_context_current()  # (CuPy's runtime._ensure_context before cuModuleLoadData)
+        self.loaded.add(_current_device())
+
+    def get_function(self, name: str) -> _Kernel:
+        self._load()  # CuPy compiles and loads on the first get_function
+        return _Kernel(name, self)  # the names come from macros in the source; _Kernel checks their form
 
 
 # ------------------------------------------------------------------------------------- cuda.runtime
