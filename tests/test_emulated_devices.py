@@ -25,7 +25,10 @@ from conftest import ROOT, run_emulated
 
 EMULATED = ROOT / "tests" / "emulated" / "cupy" / "__init__.py"
 _names = itertools.count()
-COPY_SRC = 'extern "C" __global__ void ringcomm_copy() {}'  # the stand-in runs csrc's kernels by name
+# the stand-in runs csrc's kernels by name, reading their arguments by the signature in the source
+COPY_SRC = (
+    'extern "C" __global__ void ringcomm_copy(unsigned char* dst, const unsigned char* src, unsigned long long n) {}'
+)
 
 
 @pytest.fixture
@@ -286,6 +289,31 @@ def test_a_kernel_touching_another_devices_memory_is_an_illegal_address(emu, har
         k((1,), (512,), (far.data.ptr, near.data.ptr, near.nbytes))
 
 
+def test_kernel_arguments_are_read_as_the_driver_reads_them(emu):
+    """cuLaunchKernel reads each parameter's own size from the argument CuPy packed (a numpy scalar by
+    its dtype, a Python int as int64, a float as float64), from the signature in the module's source:
+    an int64 for an ``int`` gives its low half, a float64 for a ``float`` its low 4 bytes (0.5 reads
+    0.0), an argument shorter than its parameter, or a wrong count, is refused (the GPU would read
+    past it)."""
+    from ringcomm.devices.cuda import kernel_source
+
+    reduce, acc = kernel_source("reduce.cu"), kernel_source("accumulate.cu")
+    name = "ringcomm_reduce_sum_f32"  # (T* dst, const T* a, const T* b, unsigned long long n, int use_div, double div)
+    good = (np.uint64(16), np.uint64(32), 48, np.uint64(5), np.int32(1), np.float64(0.5))
+    assert emu._kernel_params(name, reduce, good) == [16, 32, 48, 5, 1, 0.5]
+    assert emu._kernel_params(name, reduce, (*good[:4], np.int64(2**32 + 7), 0.5))[4] == 7
+    final = "ringcomm_reduce_acc_final_sum_f16"  # (..., int use_div, float div)
+    args = (16, 32, 48, np.uint64(5), np.int32(1))
+    assert emu._kernel_params(final, acc, (*args, np.float32(0.5)))[5] == 0.5
+    assert emu._kernel_params(final, acc, (*args, 0.5))[5] == 0.0  # a Python float is a double
+    with pytest.raises(RuntimeError, match=r"parameter 3 \(unsigned long long\) is 8 bytes, .* holds 4"):
+        emu._kernel_params(name, reduce, (*good[:3], np.int32(5), *good[4:]))
+    with pytest.raises(RuntimeError, match="takes 6 parameters, launched with 5"):
+        emu._kernel_params(name, reduce, good[:5])
+    with pytest.raises(RuntimeError, match="no kernel 'ringcomm_reduce_sum_f32x'"):  # (exact names: copy's)
+        emu._kernel_params(name + "x", COPY_SRC, good)
+
+
 def test_memcpy_across_devices_is_allowed(emu):
     """A copy, unlike a kernel, may use another device's stream and memory (CUDA Programming Guide)."""
     with emu.cuda.Device(1):
@@ -390,7 +418,9 @@ print(handle.hex(), flush=True)
 sys.stdin.readline()
 """
 
-IMPORTER = """
+IMPORTER = (
+    f"COPY_SRC = {COPY_SRC!r}\n"
+    + """
 import json, sys
 import numpy as np
 import cupy
@@ -412,7 +442,7 @@ else:
     out["device_id"] = mapped.data.device_id
     out["ordinal"] = driver.cuPointerGetAttribute(
         driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)[1]
-    k = cupy.RawModule(code='extern "C" __global__ void ringcomm_copy() {}').get_function("ringcomm_copy")
+    k = cupy.RawModule(code=COPY_SRC).get_function("ringcomm_copy")
     y = cupy.zeros(1024, cupy.float32)
     k((1,), (512,), (y.data.ptr, ptr, 4096))  # on the device the mapping was opened on
     out["copied"] = bool((y.get() == np.arange(1024)).all())
@@ -427,6 +457,7 @@ else:
     rt.ipcCloseMemHandle(ptr)
 print(json.dumps(out))
 """
+)
 
 
 def _ipc(env: dict, exporter: int, importer: int, flags: int = 1, enable: bool = False, **extra: str) -> dict:

@@ -78,6 +78,7 @@ import itertools
 import mmap
 import os
 import random
+import re
 import threading
 import time
 import types
@@ -1520,6 +1521,68 @@ def _lib():
 _functions: dict[int, _Kernel] = {}  # CUfunction handles (RawKernel.kernel.ptr) -> their kernels
 
 
+# A kernel's parameters, as cuLaunchKernel reads them: CuPy packs each argument by its own type (a
+# numpy scalar by its dtype, a Python int as int64, a float as float64, a bool as 1 byte, an array or
+# memory pointer as its 8-byte address: cupy/cuda/function.pyx's _pointer) and hands the driver a
+# pointer to each; the driver reads as many bytes as the kernel's C parameter has, whatever the
+# argument's size. So an int64 for an ``int`` gives its low half, a float64 for a ``float`` its
+# low 4 bytes as a float (garbage), and an argument shorter than its parameter leaves the driver
+# reading past it: refused here (on a GPU, undefined bytes). The C types come from the module's own
+# source, so a change to a kernel's signature that a launch does not follow fails here.
+_GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^()]*\)\s*)?([\w#]+)\s*\(([^()]*)\)')
+_C_PARAMS = {"unsigned long long": "<u8", "rc::u64": "<u8", "int": "<i4", "double": "<f8", "float": "<f4"}
+_signatures: dict[tuple[str, str], list[tuple[str, str]]] = {}
+
+
+def _signature(name: str, code: str) -> list[tuple[str, str]]:
+    """``[(C type, numpy dtype of its bytes)]`` of kernel ``name``'s parameters in ``code`` (the
+    definition whose name, up to its first ``##`` macro paste, is the longest prefix of ``name``)."""
+    key = (name, code)
+    if key not in _signatures:
+        found = [(m[1], m[2]) for m in _GLOBAL.finditer(code.replace("\\\n", " "))]
+        # (a name pasted by a macro, ``stem##OP##_##SUFFIX``, fits the names that begin with its stem)
+        fits = [(d, p) for d, p in found if d == name or ("#" in d and name.startswith(d.split("#")[0]))]
+        if not fits:
+            raise RuntimeError(f"emulated cupy: no kernel {name!r} in the module's source")
+        params = max(fits, key=lambda f: len(f[0].split("#")[0]))[1]
+        sig = []
+        for param in params.split(","):
+            ctype = re.sub(r"\s+", " ", re.sub(r"\bconst\b", "", param.strip().rsplit(None, 1)[0])).strip()
+            sig.append((ctype, "<u8" if "*" in ctype else _C_PARAMS[ctype]))
+        _signatures[key] = sig
+    return _signatures[key]
+
+
+def _kernel_params(name: str, code: str, args: tuple) -> list:
+    """The values kernel ``name`` sees for ``args`` (ints and floats): see above."""
+    sig = _signature(name, code)
+    if len(args) != len(sig):
+        raise RuntimeError(f"emulated CUDA: {name} takes {len(sig)} parameters, launched with {len(args)}")
+    vals = []
+    for i, (arg, (ctype, dtype)) in enumerate(zip(args, sig)):
+        if arg is None:
+            packed = bytes(8)
+        elif isinstance(arg, ndarray):
+            packed = np.uint64(arg.data.ptr).tobytes()
+        elif isinstance(arg, MemoryPointer):
+            packed = np.uint64(arg.ptr).tobytes()
+        elif isinstance(arg, (np.generic, np.ndarray)) and np.size(arg) == 1:
+            packed = np.asarray(arg).tobytes()
+        elif isinstance(arg, (bool, int, float)):  # (a bool is one byte, an int an int64, a float a float64)
+            kind = bool if isinstance(arg, bool) else np.int64 if isinstance(arg, int) else np.float64
+            packed = np.asarray(arg, kind).tobytes()
+        else:
+            raise TypeError(f"emulated cupy: {name}: unsupported kernel argument {type(arg).__name__}")
+        size = np.dtype(dtype).itemsize
+        if len(packed) < size:
+            raise RuntimeError(
+                f"emulated CUDA: {name} parameter {i} ({ctype}) is {size} bytes, but its argument "
+                f"({type(arg).__name__}) holds {len(packed)}: the driver would read past it"
+            )
+        vals.append(np.frombuffer(packed[:size], dtype)[0].item())
+    return vals
+
+
 class _Kernel:
     """CuPy's RawKernel, as RawModule.get_function returns it: ``.kernel`` its Function, whose
     ``ptr`` is the CUfunction the driver's queries take."""
@@ -1569,7 +1632,7 @@ class _Kernel:
         def touch(ptr: int, nbytes: int) -> None:  # every pointer: device memory this device may access
             _device_region(ptr, nbytes, dev, f"kernel {self.name}")
 
-        vals = [int(a) if not isinstance(a, (np.floating, float)) else float(a) for a in args]
+        vals = _kernel_params(self.name, self.module.code, args)
         parts = self.name.split("_")
         if self.kind == "ring":
             self._launch_ring(int(np.prod(grid)), vals, parts, touch, stream)
