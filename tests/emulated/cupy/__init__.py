@@ -262,6 +262,12 @@ def _set_device(device) -> None:
     _make_context_current()
 
 
+#: the byte new device and pinned memory holds (CUDA does not clear an allocation): 0xa5a5a5a5 is a
+#: plain float32 (-2.9e-16), so a result that reads memory nothing wrote is wrong, not NaN, and a
+#: counter nothing zeroed is huge
+GARBAGE = 0xA5
+
+
 class _Allocation:
     """One shared-memory mapping: an allocation of this process, or a neighbour's opened by IPC."""
 
@@ -279,7 +285,8 @@ class _Allocation:
         # one it was opened on; exporter_device: the device of the exporter's allocation
         self.device = _current_device()
         self.exporter_device = self.device if exporter_device is None else int(exporter_device)
-        if name is None:
+        fresh = name is None
+        if fresh:
             name = f"/dev/shm/ringcomm-emu-{os.getpid()}-{next(_ids)}"
             with open(name, "wb") as f:
                 f.truncate(self.size)
@@ -288,6 +295,8 @@ class _Allocation:
         with open(name, "r+b") as f:
             self.map = mmap.mmap(f.fileno(), self.size)
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        if fresh:  # "The memory is not cleared" (cudaMalloc): what was there, here a pattern, never zeros
+            ctypes.memset(self.ptr, GARBAGE, self.size)
         self.ipc = ipc
         self.buffer_id = next(_ids)
         self.live = 0  # pool blocks: chunks in use
@@ -508,7 +517,7 @@ class _Pinned(bytearray):
 
 
 def alloc_pinned_memory(nbytes: int) -> _Pinned:
-    p = _Pinned(int(nbytes))
+    p = _Pinned(bytes([GARBAGE]) * int(nbytes))  # (cudaHostAlloc does not clear it either)
     _pinned[id(p)] = p
     return p
 
