@@ -316,30 +316,36 @@ class Communicator:
         """
         if self._aborted == _CLOSED:
             return
-        self._free_plans()
-        self._free_gathers()
-        for link in self._transports.values():
-            link.close()
-        for ex in self._executors.values():
-            ex.close()
-        if not self._aborted:  # (an aborted communicator raised its error already)
-            self._poll_executors()
-        late = None if self._aborted else self._late_error
-        self._executors.clear()
-        self._graph_scratch.clear()
-        self._transports.clear()
-        for reused in self._scratch.values():
-            reused.free()
-        self._scratch.clear()
-        window, self._shared = self._shared, None
+        late = None
         try:
-            if window is not None:
-                self._free_window(window)
-        finally:  # (MPI frees a communicator once what is pending on it completes)
-            self.node_comm.Free()
-            self._gather_mpi.Free()
-            self.mpi.Free()
-            self._aborted = _CLOSED
+            self._free_plans()
+            self._free_gathers()
+            for link in self._transports.values():
+                link.close()
+            for ex in self._executors.values():
+                ex.close()
+            if not self._aborted:  # (an aborted communicator raised its error already)
+                self._poll_executors()
+                late = self._late_error
+        except BaseException as e:  # (a neighbour that never closed: the others are told, and the rest is freed)
+            self._abort(e)
+            raise
+        finally:
+            self._executors.clear()
+            self._graph_scratch.clear()
+            self._transports.clear()
+            for reused in self._scratch.values():
+                reused.free()
+            self._scratch.clear()
+            window, self._shared = self._shared, None
+            try:
+                if window is not None:
+                    self._free_window(window)
+            finally:  # (MPI frees a communicator once what is pending on it completes)
+                self.node_comm.Free()
+                self._gather_mpi.Free()
+                self.mpi.Free()
+                self._aborted = _CLOSED
         if late is not None:
             raise late
 

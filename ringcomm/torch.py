@@ -41,6 +41,7 @@ import socket
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
@@ -543,9 +544,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # --------------------------------------------------------------------------------- lifetime
     def shutdown(self) -> None:
-        """Close the communicator (destroy_process_group: collective over the group, as close() is)."""
-        self.comm.close()
-        self._scratch.clear()
+        """Close the communicator (destroy_process_group: collective over the group, as close() is).
+
+        What close() raises once it has freed the communicator (a ring kernel's failure that no
+        call raised, a rank that never closed) is a RuntimeWarning here: destroy_process_group
+        shuts every group down in turn, and one that raised would leave this rank's later groups
+        (WORLD last) open, and torch's state set, while the other ranks close theirs."""
+        try:
+            self.comm.close()
+        except RingcommError as e:  # (close() frees everything before it raises)
+            warnings.warn(f"ringcomm: closing the process group: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._scratch.clear()
 
     def abort(self) -> None:
         """Abort the communicator without waiting for the other ranks (they raise AbortError)."""

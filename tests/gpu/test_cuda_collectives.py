@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 
 import numpy as np
@@ -20,6 +21,7 @@ from conftest import (
     DTYPES,
     assert_identical_on_all_ranks,
     assert_matches,
+    deadline_barrier,
     default_gpu_transport,
     gather_all,
     make_comm,
@@ -461,6 +463,32 @@ def test_a_ring_kernels_failure_that_no_call_raised_is_raised_by_close():
     with pytest.raises(ringcomm.RingcommError, match="closed"):
         comm.all_reduce(x)
     comm.close()
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_close_with_a_neighbour_late_past_the_deadline_raises_and_still_closes():
+    """close() is collective. Rank 1 comes to it after the deadline: rank 0's close() raises
+    TimeoutError (waiting for every rank's ring executor to close), tells rank 1, whose close()
+    raises AbortError at once, and both communicators are closed all the same: a second close() does
+    nothing, a later call says the communicator is closed."""
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    comm = comm_with("kernel", timeout=1.0)
+    x = cupy.ones(1000, cupy.float32)
+    comm.all_reduce(x)
+    cupy.cuda.get_current_stream().synchronize()
+    if r == 1:
+        time.sleep(3.0)
+    t0 = time.monotonic()
+    with pytest.raises(ringcomm.TimeoutError if r == 0 else ringcomm.AbortError):
+        comm.close()
+    assert time.monotonic() - t0 < 1.0 + 2.0
+    comm.close()
+    with pytest.raises(ringcomm.RingcommError, match="closed"):
+        comm.all_reduce(x)
+    deadline_barrier(MPI.COMM_WORLD)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
