@@ -409,6 +409,6 @@ def test_warm_up_compiles_every_kernel_for_the_current_device(monkeypatch):
         cuda_device.warm_up(jobs=4)
     names = [name for _, name in cuda_device.every_kernel()]
     assert len(names) == 4 + 4 * len(cuda_device.SUFFIX) and sorted(cuda_device._kernels) == sorted(names)
-    assert len(cuda_device._modules) == len(names) and threading.get_ident() not in threads
+    assert len(cuda_device._modules) == len(names) and threads and threading.get_ident() not in threads
     if getattr(cupy, "_emulated", False):  # (the stand-in's modules say which devices they were loaded for)
         assert all(mod.loaded == {device} for mod, _ in cuda_device._modules.values())

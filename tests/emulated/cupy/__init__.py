@@ -1557,6 +1557,8 @@ def _signature(name: str, code: str) -> list[tuple[str, str]]:
         sig = []
         for param in params.split(","):
             ctype = re.sub(r"\s+", " ", re.sub(r"\bconst\b", "", param.strip().rsplit(None, 1)[0])).strip()
+            if "*" not in ctype and ctype not in _C_PARAMS:
+                raise RuntimeError(f"emulated cupy: {name}: no rule for a kernel parameter of type {ctype!r}")
             sig.append((ctype, "<u8" if "*" in ctype else _C_PARAMS[ctype]))
         _signatures[key] = sig
     return _signatures[key]
@@ -1577,8 +1579,8 @@ def _kernel_params(name: str, code: str, args: tuple) -> list:
             packed = np.uint64(arg.ptr).tobytes()
         elif isinstance(arg, (np.generic, np.ndarray)) and np.size(arg) == 1:
             packed = np.asarray(arg).tobytes()
-        elif isinstance(arg, (bool, int, float)):  # (a bool is one byte, an int an int64, a float a float64)
-            kind = bool if isinstance(arg, bool) else np.int64 if isinstance(arg, int) else np.float64
+        elif type(arg) in (bool, int, float):  # (numpy_dtype_from_pyscalar: exactly these types)
+            kind = {bool: bool, float: np.float64, int: np.uint64 if arg >= 2**63 else np.int64}[type(arg)]
             packed = np.asarray(arg, kind).tobytes()
         else:
             raise TypeError(f"emulated cupy: {name}: unsupported kernel argument {type(arg).__name__}")
