@@ -87,10 +87,31 @@ def measure(args, impls: list[str], library, refused: str) -> int:
         comm.transport_name(cp.empty(1, cp.float32))  # (collective: the ring's transports, and the executor)
     link = comm._transport("cuda")
     link_note = "" if link.kernel or n == 1 else link.note or f"the ring is {link.name}, not a ring kernel"
-    runs: dict[str, object] = {}
-    notes: dict[str, str] = {}
+    if r == 0:
+        header(args, n, library, link_note)
+    rows: list[dict] = []
+
+    def measure_impl(name: str, run, note: str) -> None:
+        """Every size's row of ``name`` (``run``: its all-reduce; None: not run, ``note`` says why)."""
+        for size in map(parse_size, args.sizes):
+            count = max(size // 4, 1)
+            base = (np.arange(count) % 7).astype(np.float32)
+            want = base * n + n * (n - 1) / 2
+            with stream:
+                x = cp.asarray(base + r)
+                out = cp.empty_like(x)
+            row = {"impl": name, "bytes": count * 4, "eager_us": None, "graph_us": None, "wrong": 0, "note": ""}
+            rows.append(row)
+            if run is None:
+                row["note"] = note
+            else:
+                measure_row(row, run, world, stream, x, out, want, args, comm, note)
+            if r == 0:
+                print(line(row), flush=True)  # (as measured: a run cut short keeps its rows)
+
+    # ringcomm's rows first, then NCCL's, set up only then: an NCCL start that fails or hangs costs no ringcomm row
     if "ringcomm" in impls:
-        runs["ringcomm"] = lambda x, out: comm.all_reduce(x, out=out)
+        measure_impl("ringcomm", lambda x, out: comm.all_reduce(x, out=out), link_note)
     nimpl = None
     if "nccl" in impls:
         nccl, why = (None, refused) if refused else env.nccl_module()
@@ -100,31 +121,15 @@ def measure(args, impls: list[str], library, refused: str) -> int:
         if env.all_true(comm, nccl is not None):  # (NcclImpl.create is collective: every rank or none)
             nimpl, why = NcclImpl.create(comm, cp, nccl, stream, env.ranks_per_gpu(comm, cp), env.mps_status())
         if nimpl is not None:
-            runs["nccl"] = lambda x, out: nimpl.ncomm.allReduce(
-                x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr
+            measure_impl(
+                "nccl",
+                lambda x, out: nimpl.ncomm.allReduce(
+                    x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr
+                ),
+                "",
             )
         else:
-            notes["nccl"] = why or "NCCL could not run on another rank"
-    if r == 0:
-        header(args, n, library, link_note)
-    rows = []
-    for size in map(parse_size, args.sizes):
-        count = max(size // 4, 1)
-        base = (np.arange(count) % 7).astype(np.float32)
-        want = base * n + n * (n - 1) / 2
-        with stream:
-            x = cp.asarray(base + r)
-            out = cp.empty_like(x)
-        for name in impls:
-            row = {"impl": name, "bytes": count * 4, "eager_us": None, "graph_us": None, "wrong": 0, "note": ""}
-            rows.append(row)
-            run = runs.get(name)
-            if run is None:
-                row["note"] = notes.get(name, "")
-            else:
-                measure_row(row, run, world, stream, x, out, want, args, comm, link_note if name == "ringcomm" else "")
-            if r == 0:
-                print(line(row), flush=True)  # (as measured: a run cut short keeps its rows)
+            measure_impl("nccl", None, why or "NCCL could not run on another rank")
     if nimpl is not None:
         nimpl.close()
     comm.close()

@@ -131,6 +131,16 @@ class Launches:
             cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
+        before = signal.getsignal(signal.SIGTERM)
+
+        def terminated(signum: int, frame: object) -> None:
+            """This pytest is ended (``timeout`` does it): the launch, in a session of its own, ends
+            too (its ranks would hold the GPU into what runs next), then the signal's own action."""
+            os.killpg(proc.pid, signal.SIGKILL)
+            signal.signal(signal.SIGTERM, before)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, terminated)
         try:
             out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
             status, end = proc.returncode, f"exit {proc.returncode}"
@@ -138,6 +148,8 @@ class Launches:
             os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
             out, _ = proc.communicate()
             status, end = -1, f"killed after {LAUNCH_TIMEOUT_S} s"
+        finally:
+            signal.signal(signal.SIGTERM, before)
         text = out.decode(errors="replace")
         output = f"$ {' '.join(cmd)}\n({end})\n{text[-20000:]}"
         for path in folder.glob("rank*.jsonl"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 from conftest import ROOT
@@ -98,3 +100,54 @@ def test_every_outcome_reaches_the_test_that_had_it():
     assert "the launch ended while it ran" in out, out
     assert "not here" in out and "Skipped: Skipped" not in out, out
     assert done.returncode == 1, out
+
+
+SLEEPER = """
+import os
+import time
+
+import pytest
+from mpi4py import MPI
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_sleeps():
+    open(os.path.join(os.environ["PIDS"], str(os.getpid())), "w").close()
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_terminated_session_ends_its_launch(tmp_path):
+    """timeout(1) ends a test step's pytest with SIGTERM; the mpiexec of its launch, in a session of
+    its own, and the ranks under it end with it, instead of running on into what comes next."""
+    path = ROOT / "tests" / f"_batch_selftest_{uuid.uuid4().hex[:8]}.py"
+    path.write_text(SLEEPER)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TEST_BATCH"}
+    try:
+        session = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path.relative_to(ROOT))],
+            cwd=ROOT, env={**env, "PIDS": str(pids)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline and session.poll() is None:
+            time.sleep(0.1)
+        ranks = [int(p.name) for p in pids.iterdir()]
+        assert len(ranks) == 2, "the ranks never started"
+        session.send_signal(signal.SIGTERM)
+        assert session.wait(30) == -signal.SIGTERM
+    finally:
+        path.unlink()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks)), f"ranks {ranks} outlived their session"
