@@ -374,7 +374,8 @@ TESTLOG=$OUTDIR/gpu_tests.log
 run_tests() {  # NAME MARKEXPR [FILES]: mpi-pytest marks a test parallel[n] for each of its nprocs
     local name=$1 expr=$2 files=${3:-tests/gpu}
     step "$name" bash -o pipefail -c \
-        "$PY -m pytest $files -v -rs --durations=5 -p no:cacheprovider ${expr:+-m '$expr'} 2>&1 | tee -a '$TESTLOG'"
+        "RINGCOMM_TEST_REPORTS='$OUTDIR/test_reports' $PY -m pytest $files -v -rs --durations=5 -p no:cacheprovider \
+        ${expr:+-m '$expr'} 2>&1 | tee -a '$TESTLOG'"
 }
 # N=1: the unmarked kernel tests (tests/gpu/test_cuda_kernels.py) and the parallel[1] ones
 run_tests "tests N=1" "not parallel or parallel[1]"

@@ -33,7 +33,9 @@ from mpi4py import MPI
 from pytest_mpi.plugin import MPIImplementation, detect_mpi_implementation
 from pytest_mpi.plugin import _extract_nprocs_for_single_test as _nprocs  # the rank count mpi-pytest gave it
 
-#: each rank of a launch appends its reports here (a folder), set by the launching process
+#: each rank of a launch appends its reports here (a folder), set by the launching process; set for the
+#: session, a folder under which the launches' reports are kept (gpu_check.sh: a step cut at its limit
+#: keeps what its tests reported), else a temporary one
 REPORTS = "RINGCOMM_TEST_REPORTS"
 #: mpi-pytest's mark of the processes its mpiexec starts (they run their tests unmodified)
 CHILD = "_PYTEST_MPI_CHILD_PROCESS"
@@ -79,7 +81,11 @@ class Launches:
                 self.groups.setdefault(_group(item), []).append(item)
         #: nodeid -> {rank: {phase: report}}, from the last launch that ran the test
         self.reports: dict[str, dict[int, dict[str, dict]]] = {}
-        self.folder = tempfile.TemporaryDirectory(prefix="ringcomm-launches-")
+        kept = os.environ.get(REPORTS)
+        if kept:
+            os.makedirs(kept, exist_ok=True)
+        self._temporary = None if kept else tempfile.TemporaryDirectory(prefix="ringcomm-launches-")
+        self.folder = Path(tempfile.mkdtemp(prefix="launches-", dir=kept) if kept else self._temporary.name)
         self.count = 0
 
     def failed(self, item: pytest.Item) -> bool:
@@ -101,7 +107,7 @@ class Launches:
             for i in todo:  # (nothing of an earlier launch is mixed into this one's)
                 self.reports.pop(i.nodeid, None)
             self.count += 1
-            status, output = self._launch(todo, Path(self.folder.name) / f"launch{self.count}")
+            status, output = self._launch(todo, self.folder / f"launch{self.count}")
             failed = [k for k, i in enumerate(todo) if self.failed(i)]
             if failed:
                 for i in todo[failed[0] + 1 :]:  # cut short by the failure's abort: not theirs to report
@@ -197,7 +203,7 @@ def report(item: pytest.Item, report: pytest.TestReport) -> None:
     """In a rank of a launch: append this phase's report to the rank's file (before any abort), with
     what the test printed (the seed that replays it) when it failed."""
     folder = os.environ.get(REPORTS)
-    if not folder or item.get_closest_marker("parallel") is None:
+    if not folder or CHILD not in os.environ or item.get_closest_marker("parallel") is None:
         return
     if report.skipped and isinstance(report.longrepr, tuple):
         text = report.longrepr[2].removeprefix("Skipped: ")

@@ -3,6 +3,7 @@ its output), a test after a failure (run again), a rank that dies mid-test, a sk
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -127,7 +128,8 @@ def _alive(pid: int) -> bool:
 
 def test_a_terminated_session_ends_its_launch(tmp_path):
     """timeout(1) ends a test step's pytest with SIGTERM; the mpiexec of its launch, in a session of
-    its own, and the ranks under it end with it, instead of running on into what comes next."""
+    its own, and the ranks under it end with it, instead of running on into what comes next. With
+    RINGCOMM_TEST_REPORTS set (gpu_check.sh does), what the ranks reported until then is kept there."""
     path = ROOT / "tests" / f"_batch_selftest_{uuid.uuid4().hex[:8]}.py"
     path.write_text(SLEEPER)
     pids = tmp_path / "pids"
@@ -136,7 +138,8 @@ def test_a_terminated_session_ends_its_launch(tmp_path):
     try:
         session = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path.relative_to(ROOT))],
-            cwd=ROOT, env={**env, "PIDS": str(pids)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=ROOT, env={**env, "PIDS": str(pids), "RINGCOMM_TEST_REPORTS": str(tmp_path / "reports")},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 120
         while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline and session.poll() is None:
@@ -151,3 +154,5 @@ def test_a_terminated_session_ends_its_launch(tmp_path):
     while any(map(_alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_alive, ranks)), f"ranks {ranks} outlived their session"
+    kept = [json.loads(line) for f in (tmp_path / "reports").glob("*/launch1/rank*.jsonl") for line in f.open()]
+    assert sorted((r["nodeid"].split("::")[1], r["when"]) for r in kept) == [("test_sleeps", "setup")] * 2, kept
