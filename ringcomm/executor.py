@@ -49,8 +49,11 @@ host-driven ipc path and says why (a warning, the DEBUG log, the bench header).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -135,6 +138,23 @@ def _bus(gpu: int) -> str:
 #: every executor's allocation until its close(): a communicator dropped without close() may still be
 #: mapped by its neighbours, and CUDA leaves freeing such memory undefined (kept for the process's life)
 _mapped_by_peers: list = []
+#: the executors set up and not yet closed (for _report_at_exit)
+_open: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    """At the interpreter's exit: a failure that a ring kernel recorded after its call returned, and
+    that no later call, check_errors() or close() raised (the program ended after the call without
+    any of them), is said on stderr, since that call's result is undefined. (A kernel still running
+    at exit is not waited for.)"""
+    for ex in list(_open):
+        error = None if ex.comm._aborted else ex.failure()
+        if error is not None:
+            sys.stderr.write(
+                f"ringcomm: rank {ex.comm.rank}: a ring kernel failed after its call returned, and nothing raised "
+                f"it before the exit (its result is undefined): {type(error).__name__}: {error}\n"
+            )
 
 
 def fifo_offset(channels: int) -> int:
@@ -262,6 +282,7 @@ class RingExecutor:
             self.nbytes,
         )
         self._probe(probe, setup)
+        _open.add(self)
 
     def _probe(self, k: Any, setup: Any) -> None:
         """Run an empty all-reduce (each channel's header to the right, the left's checked) under a
@@ -487,6 +508,7 @@ class RingExecutor:
         """Wait for the kernels queued (each ends within the deadline; the wait has it too), close the
         neighbours' mappings, and free the allocation once both neighbours have closed theirs
         (collective)."""
+        _open.discard(self)
         comm, rt = self.comm, self.cupy.cuda.runtime
         ctx = Context("closing the ring executor", comm, comm._host, np.dtype(np.uint8), None)
         if self.last is not None:  # (under the deadline too: a kernel that never started does not end)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -120,3 +121,29 @@ def test_a_peer_that_exits_ends_the_job(device, request):
         for line in run.stdout.splitlines():  # a survivor that got as far as raising
             if line.startswith("RESULT "):
                 assert json.loads(line[7:])["outcome"] in ERRORS, line
+
+
+EXITS_AFTER_A_FAILED_KERNEL = """
+import cupy
+from mpi4py import MPI
+
+import ringcomm
+
+r = MPI.COMM_WORLD.rank
+comm = ringcomm.Communicator(MPI.COMM_WORLD, timeout=2.0)
+x = cupy.ones(1007 if r == 0 else 1000, cupy.float32)  # (the ranks' calls differ: every ring kernel fails)
+comm.all_reduce(x)
+print(f"rank {r} read {float(x.sum())}", flush=True)  # (a copy after the kernel: it has ended, its failure recorded)
+"""
+
+
+def test_a_kernel_failure_that_nothing_raised_is_said_at_exit(request):
+    """A program whose last kernel call failed, and that ends after reading its result (no later
+    call, check_errors() or close()): at exit every rank says on stderr that a ring kernel failed
+    after its call returned, with the error, instead of ending as if all went well."""
+    env = _env("gpu-kernel", request)
+    run = run_emulated(env, ["mpiexec", "-n", "2", "python", "-c", EXITS_AFTER_A_FAILED_KERNEL], 120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    said = [line for line in run.stderr.splitlines() if "a ring kernel failed after its call returned" in line]
+    assert sorted(line.split(":")[1].strip() for line in said) == ["rank 0", "rank 1"], run.stderr
+    assert all(re.search(r"(MismatchError|AbortError): all_reduce", line) for line in said), said
