@@ -507,9 +507,13 @@ class RingExecutor:
     def close(self) -> None:
         """Wait for the kernels queued (each ends within the deadline; the wait has it too), close the
         neighbours' mappings, and free the allocation once both neighbours have closed theirs
-        (collective)."""
+        (collective). On an aborted communicator nothing waits (a neighbour may be gone): the
+        mappings and the allocation stay for the process's life, as IPC's pins do."""
         _open.discard(self)
         comm, rt = self.comm, self.cupy.cuda.runtime
+        if comm._aborted:
+            self._opened.clear()
+            return
         ctx = Context("closing the ring executor", comm, comm._host, np.dtype(np.uint8), None)
         if self.last is not None:  # (under the deadline too: a kernel that never started does not end)
             last = self.last.event

@@ -491,6 +491,27 @@ def test_close_with_a_neighbour_late_past_the_deadline_raises_and_still_closes()
     deadline_barrier(MPI.COMM_WORLD)
 
 
+@pytest.mark.parallel(nprocs=[2])
+def test_an_exception_in_with_leaves_at_once_on_the_kernel_ring():
+    """An exception inside ``with comm:`` aborts the communicator: that rank's way out does not wait
+    for the others (its ring executor keeps its memory for the process's life, as IPC keeps its
+    pins), and a rank that comes to its close() later raises AbortError at once."""
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    _use_local_gpu()
+    r = MPI.COMM_WORLD.rank
+    comm = comm_with("kernel", timeout=5.0)
+    x = cupy.ones(1000, cupy.float32)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError if r == 0 else ringcomm.AbortError), comm:
+        comm.all_reduce(x)
+        if r == 0:
+            raise ValueError("in the block")
+        time.sleep(3.0)
+    assert r != 0 or time.monotonic() - t0 < 2.0, "rank 0 waited for rank 1 on its way out"
+    deadline_barrier(MPI.COMM_WORLD)
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_reduce_scatter_into_its_own_chunk_of_x():
     """reduce_scatter(x, out=x[lo:hi]) on every transport: the result lands in x's own chunk (a ring
