@@ -88,6 +88,15 @@ def host(d) -> np.ndarray:
     return cupy.asnumpy(d)
 
 
+def _kernel_ring(**kw):
+    """A Communicator whose every edge is the ring kernel, on this rank's GPU (the test skips where the
+    ring kernel is not among this run's transports)."""
+    if "kernel" not in transports():
+        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
+    _use_local_gpu()
+    return comm_with("kernel", **kw)
+
+
 def comm_with(transport: str | None, **kw):
     """A Communicator whose GPU edges all use ``transport`` (None: each edge's automatic choice)."""
     if transport is None:
@@ -450,11 +459,7 @@ def test_a_ring_kernels_failure_that_no_call_raised_is_raised_by_close():
     count differs: a mismatch, and an abort on the ranks it tells), when no later call or
     check_errors() raised it, is raised by close() on every rank, once the communicator is freed (a
     later call says it is closed; a second close() does nothing)."""
-    if "kernel" not in transports():
-        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
-    _use_local_gpu()
-    r = MPI.COMM_WORLD.rank
-    comm = comm_with("kernel")
+    r, comm = MPI.COMM_WORLD.rank, _kernel_ring()
     x = cupy.ones(1007 if r == 0 else 1000, cupy.float32)
     comm.all_reduce(x)
     cupy.cuda.get_current_stream().synchronize()  # every rank's kernel has ended, its failure recorded
@@ -471,11 +476,7 @@ def test_close_with_a_neighbour_late_past_the_deadline_raises_and_still_closes()
     TimeoutError (waiting for every rank's ring executor to close), tells rank 1, whose close()
     raises AbortError at once, and both communicators are closed all the same: a second close() does
     nothing, a later call says the communicator is closed."""
-    if "kernel" not in transports():
-        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
-    _use_local_gpu()
-    r = MPI.COMM_WORLD.rank
-    comm = comm_with("kernel", timeout=1.0)
+    r, comm = MPI.COMM_WORLD.rank, _kernel_ring(timeout=1.0)
     x = cupy.ones(1000, cupy.float32)
     comm.all_reduce(x)
     cupy.cuda.get_current_stream().synchronize()
@@ -496,11 +497,7 @@ def test_an_exception_in_with_leaves_at_once_on_the_kernel_ring():
     """An exception inside ``with comm:`` aborts the communicator: that rank's way out does not wait
     for the others (its ring executor keeps its memory for the process's life, as IPC keeps its
     pins), and a rank that comes to its close() later raises AbortError at once."""
-    if "kernel" not in transports():
-        pytest.skip("the ring kernel is not among this run's transports (ranks sharing a GPU without MPS?)")
-    _use_local_gpu()
-    r = MPI.COMM_WORLD.rank
-    comm = comm_with("kernel", timeout=5.0)
+    r, comm = MPI.COMM_WORLD.rank, _kernel_ring(timeout=5.0)
     x = cupy.ones(1000, cupy.float32)
     t0 = time.monotonic()
     with pytest.raises(ValueError if r == 0 else ringcomm.AbortError), comm:
