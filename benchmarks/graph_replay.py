@@ -95,17 +95,16 @@ def measure(args, impls: list[str], library, refused: str) -> int:
         """Every size's row of ``name`` (``run``: its all-reduce; None: not run, ``note`` says why)."""
         for size in map(parse_size, args.sizes):
             count = max(size // 4, 1)
-            base = (np.arange(count) % 7).astype(np.float32)
-            want = base * n + n * (n - 1) / 2
-            with stream:
-                x = cp.asarray(base + r)
-                out = cp.empty_like(x)
             row = {"impl": name, "bytes": count * 4, "eager_us": None, "graph_us": None, "wrong": 0, "note": ""}
             rows.append(row)
             if run is None:
                 row["note"] = note
             else:
-                measure_row(row, run, world, stream, x, out, want, args, comm, note)
+                base = (np.arange(count) % 7).astype(np.float32)
+                with stream:
+                    x = cp.asarray(base + r)
+                    out = cp.empty_like(x)
+                measure_row(row, run, world, stream, x, out, base * n + n * (n - 1) / 2, args, comm, note)
             if r == 0:
                 print(line(row), flush=True)  # (as measured: a run cut short keeps its rows)
 
