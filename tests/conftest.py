@@ -8,6 +8,8 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mpi_batches
@@ -248,36 +250,67 @@ def why_not_emulated() -> str:
     return "CuPy is installed: these run on the GPU" if real_cupy() else ""
 
 
+#: the builds of tests/csrc_harness.cpp a session uses, by name: "plain" (the emulated GPU's kernels, the
+#: kernels' arithmetic on the host: test_csrc_host, test_zero) and "cupy options" (optimizer.cu's and
+#: accumulate.cu's float arithmetic as CuPy's NVRTC options make it: test_csrc_host's lib_cupy)
+HARNESS_BUILDS = {"plain": (), "cupy options": ("-DRC_HOST_CUPY_OPTIONS",)}
+
+
 @pytest.fixture(scope="session")
-def emulated_gpu_env(tmp_path_factory) -> dict[str, str]:
+def harness_libraries(tmp_path_factory) -> dict[str, Path]:
+    """tests/csrc_harness.cpp as a shared library, each of HARNESS_BUILDS, built once per session and side
+    by side (about 13 s each on one core); -ffp-contract=off: the host compiler fuses nothing itself.
+    Skipped without a host C++ compiler."""
+    if CXX is None:
+        pytest.skip("no host C++ compiler found")
+    folder = tmp_path_factory.mktemp("harness")
+
+    def build(name: str) -> Path:
+        lib = folder / f"libringcomm_harness_{name.replace(' ', '_')}.so"
+        cmd = [CXX, "-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-Wno-unknown-pragmas"]
+        cmd += [*HARNESS_BUILDS[name], str(ROOT / "tests" / "csrc_harness.cpp"), "-o", str(lib)]
+        done = run_beside(cmd, timeout=300)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+        return lib
+
+    with ThreadPoolExecutor(max_workers=len(HARNESS_BUILDS)) as pool:
+        return dict(zip(HARNESS_BUILDS, pool.map(build, HARNESS_BUILDS)))
+
+
+@pytest.fixture(scope="session")
+def emulated_gpu_env(request) -> dict[str, str]:
     """The environment of a process that sees the emulated GPU: tests/emulated first on
-    PYTHONPATH, the kernels' C++ harness (tests/csrc_harness.cpp) built once per session."""
+    PYTHONPATH, the kernels' C++ harness (tests/csrc_harness.cpp, built once per session)."""
     why = why_not_emulated()
     if why:
         pytest.skip(why)
-    lib = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    build = [
-        CXX,
-        "-std=c++20",
-        "-O2",
-        "-ffp-contract=off",
-        "-shared",
-        "-fPIC",
-        "-Wno-unknown-pragmas",
-        str(ROOT / "tests" / "csrc_harness.cpp"),
-        "-o",
-        str(lib),
-    ]
-    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]
     )
-    env["RINGCOMM_EMULATED_HARNESS"] = str(lib)
+    env["RINGCOMM_EMULATED_HARNESS"] = str(request.getfixturevalue("harness_libraries")["plain"])
     env.setdefault("RINGCOMM_TEST_TIMEOUT", "60")
     env.pop("RINGCOMM_TRANSPORT", None)
     return env
+
+
+_SPAWN = threading.Lock()
+
+
+def run_beside(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for commands run side by side from several
+    threads: each is started under one lock (started from two threads at once, CPython 3.11's vfork
+    start failed now and then on the CI machine with "OSError: [Errno 14] Bad address"), then runs
+    beside the others."""
+    with _SPAWN:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_emulated(env: dict[str, str], cmd: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -201,7 +201,13 @@ def runtest_setup(item: pytest.Item) -> None:
 
 def report(item: pytest.Item, report: pytest.TestReport) -> None:
     """In a rank of a launch: append this phase's report to the rank's file (before any abort), with
-    what the test printed (the seed that replays it) when it failed."""
+    what the test printed (the seed that replays it) when it failed. Here, for a test run in a launch:
+    its call's duration is its slowest rank's set-up, call and teardown there (``--durations`` shows
+    each test's own time, not the launch's, which its first test would otherwise carry)."""
+    if batched(item) and report.when == "call":
+        by_rank = item.session.stash[_KEY].reports.get(item.nodeid, {})
+        report.duration = max((sum(r.get("duration", 0) for r in p.values()) for p in by_rank.values()), default=0)
+        return
     folder = os.environ.get(REPORTS)
     if not folder or CHILD not in os.environ or item.get_closest_marker("parallel") is None:
         return
@@ -211,6 +217,7 @@ def report(item: pytest.Item, report: pytest.TestReport) -> None:
         text = report.longreprtext
     if report.failed:
         text += "".join(f"\n--- {name} ---\n{body}" for name, body in report.sections if body)
-    line = {"nodeid": item.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
+    line = {"nodeid": item.nodeid, "when": report.when, "outcome": report.outcome, "duration": report.duration}
+    line["text"] = text
     with open(Path(folder) / f"rank{MPI.COMM_WORLD.rank}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

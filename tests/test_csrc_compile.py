@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import run_beside
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
@@ -38,43 +39,86 @@ def test_sources_present():
     assert (CSRC / "common.cuh").is_file()
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile the kernels)")
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-def test_compiles(source: Path, arch: str, tmp_path: Path):
-    defines = []
-    if source.name == "ring.cu":
-        # ring.cu's 48 kernels take nvcc 40 s per arch; the loader compiles them one at a time (NVRTC,
-        # RC_RING_ONE_ENTRY), and their code differs only by the element type and the op functor
-        # (reduce.cu compiles every pair): every dtype with sum, and every op with f32
-        from ringcomm.devices import cuda
+def _ring_entries() -> list[str]:
+    """The ring.cu kernels compiled for sm_90. ring.cu's 48 kernels take nvcc 40 s per arch; the loader
+    compiles them one at a time (NVRTC, RC_RING_ONE_ENTRY), and their code differs only by the element
+    type and the op functor (reduce.cu compiles every pair): every dtype with sum, and every op with f32.
+    (sm_80's code differs from sm_90's by the architecture, not by the entry: there, sum f32 alone.)"""
+    from ringcomm.devices import cuda
 
-        # (sm_80's code differs from sm_90's by the architecture, not by the entry: there, sum f32 alone)
-        names = {f"ringcomm_ring_sum_{s}" for s in cuda.SUFFIX.values()}
-        names |= {f"ringcomm_ring_{op}_f32" for op in ("prod", "min", "max")}
-        if arch != "sm_90":
-            names = {"ringcomm_ring_sum_f32"}
-        entries = "".join(cuda.ring_entry(name) for name in sorted(names))
-        source = tmp_path / "ring_entries.cu"
-        source.write_text('#include "ring.cu"\n' + entries)
+    names = {f"ringcomm_ring_sum_{s}" for s in cuda.SUFFIX.values()}
+    return sorted(names | {f"ringcomm_ring_{op}_f32" for op in ("prod", "min", "max")})
+
+
+def compile_commands(source: Path, arch: str, out: Path) -> list[list[str]]:
+    """test_compiles's nvcc commands for ``source``: one, or for ring.cu at sm_90 two, each compiling
+    half of its entries (in files written to ``out``), so that they run side by side."""
+    from ringcomm.devices import cuda
+
+    out = out / f"{source.stem}.{arch}"
+    out.mkdir()
+    sources, defines = [source], []
+    if source.name == "ring.cu":
+        names = _ring_entries() if arch == "sm_90" else ["ringcomm_ring_sum_f32"]
+        halves = [names[: (len(names) + 1) // 2], names[(len(names) + 1) // 2 :]]
+        sources = [out / f"ring_entries{k}.cu" for k, half in enumerate(halves) if half]
+        for path, half in zip(sources, halves):
+            path.write_text('#include "ring.cu"\n' + "".join(cuda.ring_entry(name) for name in half))
         defines = ["-DRC_RING_ONE_ENTRY"]
-    cmd = [
+    flags = ["-std=c++17", f"-arch={arch}", "-I", str(CSRC), *defines, "-Werror", "all-warnings"]
+    return [[NVCC, *flags, "-c", str(src), "-o", str(out / f"{src.stem}.o")] for src in sources]
+
+
+def ptx_command(name: str, arch: str, out: Path) -> list[str]:
+    """test_ptx_keeps_ieee_under_cupy_options's nvcc command: ``name`` to PTX with the loader's NVRTC
+    options and CuPy's, into ``out``."""
+    from ringcomm.devices import cuda
+
+    ptx = out / f"{name}.{arch}.ptx"
+    return [
         NVCC,
-        "-std=c++17",
+        *cuda.NVRTC_OPTIONS,
+        *CUPY_APPENDS,
         f"-arch={arch}",
         "-I",
         str(CSRC),
-        *defines,
-        "-Werror",
-        "all-warnings",
-        "-c",
-        str(source),
+        "--ptx",
+        str(CSRC / name),
         "-o",
-        str(tmp_path / f"{source.stem}.{arch}.o"),
+        str(ptx),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
-    assert (tmp_path / f"{source.stem}.{arch}.o").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def nvcc_runs(request, tmp_path_factory):
+    """Every nvcc command of this module's tests that the session runs, started at once, one per core
+    (each keeps one core busy for 1-15 s: in turn they took 51 s of the 2-core CI machine, side by side
+    half that), the longest first: by test node id, the commands and their futures (CompletedProcess)."""
+    out = tmp_path_factory.mktemp("nvcc")
+    jobs = {}
+    for item in request.session.items:
+        if item.module is not request.module or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        if item.originalname == "test_compiles":
+            jobs[item.nodeid] = compile_commands(params["source"], params["arch"], out)
+        elif item.originalname == "test_ptx_keeps_ieee_under_cupy_options":
+            jobs[item.nodeid] = [ptx_command(params["name"], params["arch"], out)]
+    order = sorted((cmd for cmds in jobs.values() for cmd in cmds), key=lambda cmd: "-DRC_RING_ONE_ENTRY" not in cmd)
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+    futures = {id(cmd): pool.submit(run_beside, cmd, timeout=600) for cmd in order}
+    yield {nodeid: [(cmd, futures[id(cmd)]) for cmd in cmds] for nodeid, cmds in jobs.items()}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile the kernels)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_compiles(source: Path, arch: str, nvcc_runs, request):
+    for cmd, future in nvcc_runs[request.node.nodeid]:
+        done = future.result()
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
+        assert Path(cmd[-1]).stat().st_size > 0
 
 
 # What CuPy appends to the caller's NVRTC options for every RawModule (cupy/cuda/compiler.py,
@@ -89,27 +133,16 @@ _FP_INSN = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9]+)*\.f(?:32|64))\
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile the kernels)")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", IEEE_SOURCES)
-def test_ptx_keeps_ieee_under_cupy_options(name: str, arch: str, tmp_path: Path):
+def test_ptx_keeps_ieee_under_cupy_options(name: str, arch: str, nvcc_runs, request):
     """Compiled with the loader's options plus CuPy's -ftz=true, the PTX has no flush-to-zero and
     nothing the code generator may fuse: no .ftz, no fma/mad, and every f32/f64 add, sub and mul
     carries .rn (ptxas may contract a mul and an add only when neither has a rounding modifier)."""
     from ringcomm.devices import cuda
 
-    ptx = tmp_path / f"{name}.{arch}.ptx"
-    cmd = [
-        NVCC,
-        *cuda.NVRTC_OPTIONS,
-        *CUPY_APPENDS,
-        f"-arch={arch}",
-        "-I",
-        str(CSRC),
-        "--ptx",
-        str(CSRC / name),
-        "-o",
-        str(ptx),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    [(cmd, future)] = nvcc_runs[request.node.nodeid]
+    done = future.result()
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
+    ptx = Path(cmd[-1])
     insns = _FP_INSN.findall(ptx.read_text())
     assert insns, "no floating-point instruction found: the PTX pattern is wrong"
     bad: dict[str, int] = {}

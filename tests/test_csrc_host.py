@@ -16,9 +16,6 @@ builds, and the float32-accumulation kernels (accumulate.cu) numpy and ringcomm'
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +25,6 @@ import pytest
 from accumulate_values import CANONICAL_NAN_BITS, F16, HALVES, half_values, midpoint_f16, partial_values
 from accumulate_values import reference as acc_reference
 
-ROOT = Path(__file__).resolve().parent.parent
-HARNESS = ROOT / "tests" / "csrc_harness.cpp"
 DTYPES = [
     np.dtype(t)
     for t in (
@@ -49,31 +44,12 @@ DTYPES = [
 ]
 OPS = ["sum", "prod", "min", "max"]
 FLOATS = DTYPES[:4]
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 u64 = ctypes.c_uint64
 
-pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler found")
 
-
-def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
-    """The harness as a shared library; -ffp-contract=off: the host compiler fuses nothing itself."""
-    out = tmp_path_factory.mktemp("harness") / "libringcomm_harness.so"
-    cmd = [
-        CXX,
-        "-std=c++20",
-        "-O1",
-        "-ffp-contract=off",
-        "-shared",
-        "-fPIC",
-        "-Wno-unknown-pragmas",
-        *defines,
-        str(HARNESS),
-        "-o",
-        str(out),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-    so = ctypes.CDLL(str(out))
+def _load(path: Path) -> ctypes.CDLL:
+    """A build of the harness (conftest's harness_libraries), its entry points typed."""
+    so = ctypes.CDLL(str(path))
     so.rc_host_reduce.argtypes = [
         ctypes.c_int,
         ctypes.c_int,
@@ -116,14 +92,14 @@ def _build(tmp_path_factory, *defines: str) -> ctypes.CDLL:
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return _build(tmp_path_factory)
+def lib(harness_libraries):
+    return _load(harness_libraries["plain"])
 
 
 @pytest.fixture(scope="module")
-def lib_cupy(tmp_path_factory):
+def lib_cupy(harness_libraries):
     """optimizer.cu's float and double as CuPy's NVRTC options make them (tests/csrc_harness.cpp)."""
-    return _build(tmp_path_factory, "-DRC_HOST_CUPY_OPTIONS")
+    return _load(harness_libraries["cupy options"])
 
 
 def ptr(a: np.ndarray) -> int:

@@ -17,6 +17,7 @@ from conftest import ROOT
 MODULE = """
 import os
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -63,6 +64,8 @@ def test_f_alone_sees_fresh_processes():
 def test_g_shares_the_launch():
     assert "SEEN" not in os.environ
     os.environ["SEEN"] = "1"
+    if MPI.COMM_WORLD.rank == 1:
+        time.sleep(1)  # (its duration: its slowest rank's)
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -76,7 +79,16 @@ def test_every_outcome_reaches_the_test_that_had_it():
     path.write_text(MODULE)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(path.relative_to(ROOT))],
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+                "--durations=0",
+                str(path.relative_to(ROOT)),
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -100,6 +112,9 @@ def test_every_outcome_reaches_the_test_that_had_it():
     assert "rank 1, call" in out and "rank 1 disagrees" in out and "[b] printed by the failing rank" in out, out
     assert "the launch ended while it ran" in out, out
     assert "not here" in out and "Skipped: Skipped" not in out, out
+    # each test's duration is its own (the first of a launch does not carry the launch's)
+    took = {name: float(t) for t, name in re.findall(r"([\d.]+)s call\s+\S+::(test_\w+)", out)}
+    assert took.get("test_g_shares_the_launch", 0) >= 1 and took.get("test_a_passes", 0) < 0.5, out
     assert done.returncode == 1, out
 
 

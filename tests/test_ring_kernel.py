@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import run_beside
 
 ROOT = Path(__file__).resolve().parent.parent
 SELFTEST = ROOT / "tests" / "ring_selftest.cpp"
@@ -46,7 +47,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     def build(name: str) -> tuple[str, Path | None, str]:
         exe = out / name.replace(" ", "_")
         cmd = [CXX, "-std=c++20", "-ffp-contract=off", "-Wno-unknown-pragmas", "-pthread", *BUILDS[name]]
-        done = subprocess.run([*cmd, str(SELFTEST), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+        done = run_beside([*cmd, str(SELFTEST), "-o", str(exe)], timeout=300)
         return name, exe if done.returncode == 0 else None, done.stderr
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:

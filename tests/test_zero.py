@@ -140,36 +140,13 @@ def test_adam_update_validation():
 
 
 @pytest.fixture(scope="module")
-def kernel_on_host(tmp_path_factory):
+def kernel_on_host(harness_libraries):
     """csrc/optimizer.cu's adam_thread compiled for the CPU through tests/csrc_harness.cpp (the CUDA
-    engineer's harness); skipped without a C++ compiler. x86-64 without -mfma: no FMA contraction."""
+    engineer's harness, conftest's build); skipped without a C++ compiler. x86-64 without -mfma: no
+    FMA contraction."""
     import ctypes
-    import shutil as _shutil
 
-    cxx = os.environ.get("CXX") or _shutil.which("g++") or _shutil.which("c++") or _shutil.which("clang++")
-    harness = ROOT / "tests" / "csrc_harness.cpp"
-    if cxx is None or not harness.exists():
-        pytest.skip("no C++ compiler or no tests/csrc_harness.cpp")
-    so = tmp_path_factory.mktemp("adam") / "libadam.so"
-    done = subprocess.run(
-        [
-            cxx,
-            "-std=c++20",
-            "-O1",
-            "-ffp-contract=off",
-            "-shared",
-            "-fPIC",
-            "-Wno-unknown-pragmas",
-            str(harness),
-            "-o",
-            str(so),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    lib = ctypes.CDLL(str(so))
+    lib = ctypes.CDLL(str(harness_libraries["plain"]))
     lib.rc_host_adam.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
     )
