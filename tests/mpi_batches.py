@@ -129,6 +129,8 @@ class Launches:
         """Run ``items`` in one mpiexec; collect what each rank reported. (exit status, output)."""
         folder.mkdir()
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--runxfail", "--no-header"]
+        if not any(i.get_closest_marker("hypothesis") for i in items):  # (hypothesis' plugin: 0.6 s a rank)
+            argv += ["-p", "no:hypothesispytest"]
         argv += [i.nodeid for i in items]
         quiet = ["--no-summary", "--disable-warnings"]
         cmd = _mpiexec(_nprocs(items[0]), {CHILD: "1", REPORTS: str(folder)}, argv, quiet)
