@@ -47,7 +47,8 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
         least = len(tests)
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
-        env["RINGCOMM_TEST_TRANSPORTS"] = "ipc,kernel"  # (those of IPC edges: across the GPUs here)
+        # the ring kernel across the GPUs (IPC across them: the mixed ring's, whose node-local edges it is)
+        env["RINGCOMM_TEST_TRANSPORTS"] = "kernel"
         tests = [
             "tests/gpu/test_cuda_topology.py::test_mixed_ring_every_op_and_dtype",  # N = 4: a,a,b,b and a,b,a,b
             # N = 3: ranks 0 and 2 on device 0, rank 1 on device 1 (edges across the GPUs and within one)
