@@ -257,10 +257,11 @@ HARNESS_BUILDS = {"plain": (), "cupy options": ("-DRC_HOST_CUPY_OPTIONS",)}
 
 
 @pytest.fixture(scope="session")
-def harness_libraries(tmp_path_factory) -> dict[str, Path]:
-    """tests/csrc_harness.cpp as a shared library, each of HARNESS_BUILDS, built once per session and side
-    by side (about 13 s each on one core); -ffp-contract=off: the host compiler fuses nothing itself.
-    Skipped without a host C++ compiler."""
+def harness_libraries(tmp_path_factory):
+    """tests/csrc_harness.cpp as a shared library, each of HARNESS_BUILDS built once per session, all
+    started at once, side by side (about 13 s each on one core): by name, the future of its path
+    (``.result()`` waits for that build, and fails on its errors alone); -ffp-contract=off: the host
+    compiler fuses nothing itself. Skipped without a host C++ compiler."""
     if CXX is None:
         pytest.skip("no host C++ compiler found")
     folder = tmp_path_factory.mktemp("harness")
@@ -274,7 +275,7 @@ def harness_libraries(tmp_path_factory) -> dict[str, Path]:
         return lib
 
     with ThreadPoolExecutor(max_workers=len(HARNESS_BUILDS)) as pool:
-        return dict(zip(HARNESS_BUILDS, pool.map(build, HARNESS_BUILDS)))
+        yield {name: pool.submit(build, name) for name in HARNESS_BUILDS}
 
 
 @pytest.fixture(scope="session")
@@ -288,7 +289,7 @@ def emulated_gpu_env(request) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "tests" / "emulated"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]
     )
-    env["RINGCOMM_EMULATED_HARNESS"] = str(request.getfixturevalue("harness_libraries")["plain"])
+    env["RINGCOMM_EMULATED_HARNESS"] = str(request.getfixturevalue("harness_libraries")["plain"].result())
     env.setdefault("RINGCOMM_TEST_TIMEOUT", "60")
     env.pop("RINGCOMM_TRANSPORT", None)
     return env

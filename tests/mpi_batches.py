@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,9 @@ class Launches:
             for i in todo:  # (nothing of an earlier launch is mixed into this one's)
                 self.reports.pop(i.nodeid, None)
             self.count += 1
+            start = time.monotonic()
             status, output = self._launch(todo, self.folder / f"launch{self.count}")
+            took = time.monotonic() - start
             failed = [k for k, i in enumerate(todo) if self.failed(i)]
             if failed:
                 for i in todo[failed[0] + 1 :]:  # cut short by the failure's abort: not theirs to report
@@ -118,12 +121,13 @@ class Launches:
                 if status != 0 and not died and all(self.done(i) for i in todo):
                     died = todo[-1:]  # every test done, then an error (in MPI_Finalize, say)
                 for i in died:
-                    self._fail(i, f"the launch ended while it ran, with no failure reported:\n{output}")
+                    self._fail(i, f"the launch ended while it ran, with no failure reported:\n{output}", took)
             if not self.done(todo[0]):  # the launch ran nothing at all: no retry would do better
-                self._fail(todo[0], f"the launch did not run it:\n{output}")
+                self._fail(todo[0], f"the launch did not run it:\n{output}", took)
 
-    def _fail(self, item: pytest.Item, text: str) -> None:
-        self.reports[item.nodeid] = {0: {"call": {"outcome": "failed", "text": text}}}
+    def _fail(self, item: pytest.Item, text: str, took: float) -> None:
+        """``item`` failed with ``text``; its duration: its launch's (``took`` s, a hung one's included)."""
+        self.reports[item.nodeid] = {0: {"call": {"outcome": "failed", "text": text, "duration": took}}}
 
     def _launch(self, items: list[pytest.Item], folder: Path) -> tuple[int, str]:
         """Run ``items`` in one mpiexec; collect what each rank reported. (exit status, output)."""
@@ -205,9 +209,11 @@ def report(item: pytest.Item, report: pytest.TestReport) -> None:
     """In a rank of a launch: append this phase's report to the rank's file (before any abort), with
     what the test printed (the seed that replays it) when it failed. Here, for a test run in a launch:
     its call's duration is its slowest rank's set-up, call and teardown there (``--durations`` shows
-    each test's own time, not the launch's, which its first test would otherwise carry)."""
+    each test's own time, not the launch's, which its first test would otherwise carry), or for a test
+    its launch ended (a crash, the time limit) the launch's."""
     if batched(item) and report.when == "call":
-        by_rank = item.session.stash[_KEY].reports.get(item.nodeid, {})
+        launches = item.session.stash.get(_KEY, None)
+        by_rank = launches.reports.get(item.nodeid, {}) if launches else {}
         report.duration = max((sum(r.get("duration", 0) for r in p.values()) for p in by_rank.values()), default=0)
         return
     folder = os.environ.get(REPORTS)

@@ -97,7 +97,7 @@ def nvcc_runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("nvcc")
     jobs = {}
     for item in request.session.items:
-        if item.module is not request.module or not hasattr(item, "callspec"):
+        if getattr(item, "module", None) is not request.module or not hasattr(item, "callspec"):
             continue
         params = item.callspec.params
         if item.originalname == "test_compiles":

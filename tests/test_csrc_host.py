@@ -93,13 +93,13 @@ def _load(path: Path) -> ctypes.CDLL:
 
 @pytest.fixture(scope="module")
 def lib(harness_libraries):
-    return _load(harness_libraries["plain"])
+    return _load(harness_libraries["plain"].result())
 
 
 @pytest.fixture(scope="module")
 def lib_cupy(harness_libraries):
     """optimizer.cu's float and double as CuPy's NVRTC options make them (tests/csrc_harness.cpp)."""
-    return _load(harness_libraries["cupy options"])
+    return _load(harness_libraries["cupy options"].result())
 
 
 def ptr(a: np.ndarray) -> int:

@@ -115,6 +115,7 @@ def test_every_outcome_reaches_the_test_that_had_it():
     # each test's duration is its own (the first of a launch does not carry the launch's)
     took = {name: float(t) for t, name in re.findall(r"([\d.]+)s call\s+\S+::(test_\w+)", out)}
     assert took.get("test_g_shares_the_launch", 0) >= 1 and took.get("test_a_passes", 0) < 0.5, out
+    assert took.get("test_d_a_rank_dies", 0) > 0.5, out  # (its launch's time: it ended in it)
     assert done.returncode == 1, out
 
 

@@ -146,7 +146,7 @@ def kernel_on_host(harness_libraries):
     FMA contraction."""
     import ctypes
 
-    lib = ctypes.CDLL(str(harness_libraries["plain"]))
+    lib = ctypes.CDLL(str(harness_libraries["plain"].result()))
     lib.rc_host_adam.argtypes = (
         [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
     )

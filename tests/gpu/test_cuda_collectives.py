@@ -54,15 +54,23 @@ def _use_local_gpu() -> None:
 
 def transports() -> list[str]:
     """The GPU transports the tests loop over: every one this machine has, or those of them that
-    RINGCOMM_TEST_TRANSPORTS names (comma-separated; tests/test_cuda_emulated.py runs each variant
-    of the emulated GPU with the transports it is about). Not kernel where ranks share a GPU without MPS."""
+    RINGCOMM_TEST_TRANSPORTS names (comma-separated, ``name@N``: at N ranks only;
+    tests/test_cuda_emulated.py runs each variant of the emulated GPU with the transports it is
+    about); a test fails where it names some but leaves none. Not kernel where ranks share a GPU
+    without MPS."""
     names = ["ipc", "staged", "kernel"]
     if MPI.COMM_WORLD.size > _ngpu and not mps_enabled(cupy.cuda.runtime.getDevice()):
         names.remove("kernel")  # ranks sharing a GPU without MPS: the ring stays host-driven (test_kernel_ring_...)
     if staged.cuda_aware_mpi():
         names.append("mpi")
-    wanted = os.environ.get("RINGCOMM_TEST_TRANSPORTS", "").strip()
-    return [t for t in names if t in wanted.split(",")] if wanted else names
+    wanted = [w.strip().split("@") for w in os.environ.get("RINGCOMM_TEST_TRANSPORTS", "").split(",") if w.strip()]
+    if not wanted:
+        return names
+    n = MPI.COMM_WORLD.size
+    here = {w[0] for w in wanted if len(w) == 1 or int(w[1]) == n}
+    if not here & set(names):  # (a test looping over none would pass without a check)
+        pytest.fail(f"RINGCOMM_TEST_TRANSPORTS leaves none of this run's transports ({names}) at N = {n}")
+    return [t for t in names if t in here]
 
 
 def counts(n: int) -> list[int]:
