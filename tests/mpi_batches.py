@@ -225,7 +225,12 @@ def report(item: pytest.Item, report: pytest.TestReport) -> None:
         text = report.longreprtext
     if report.failed:
         text += "".join(f"\n--- {name} ---\n{body}" for name, body in report.sections if body)
-    line = {"nodeid": item.nodeid, "when": report.when, "outcome": report.outcome, "duration": report.duration}
-    line["text"] = text
+    line = {
+        "nodeid": item.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "duration": report.duration,
+        "text": text,
+    }
     with open(Path(folder) / f"rank{MPI.COMM_WORLD.rank}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

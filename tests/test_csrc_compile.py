@@ -60,8 +60,9 @@ def compile_commands(source: Path, arch: str, out: Path) -> list[list[str]]:
     sources, defines = [source], []
     if source.name == "ring.cu":
         names = _ring_entries() if arch == "sm_90" else ["ringcomm_ring_sum_f32"]
-        halves = [names[: (len(names) + 1) // 2], names[(len(names) + 1) // 2 :]]
-        sources = [out / f"ring_entries{k}.cu" for k, half in enumerate(halves) if half]
+        mid = (len(names) + 1) // 2
+        halves = [half for half in (names[:mid], names[mid:]) if half]
+        sources = [out / f"ring_entries{k}.cu" for k in range(len(halves))]
         for path, half in zip(sources, halves):
             path.write_text('#include "ring.cu"\n' + "".join(cuda.ring_entry(name) for name in half))
         defines = ["-DRC_RING_ONE_ENTRY"]
@@ -95,19 +96,20 @@ def nvcc_runs(request, tmp_path_factory):
     (each keeps one core busy for 1-15 s: in turn they took 51 s of the 2-core CI machine, side by side
     half that), the longest first: by test node id, the commands and their futures (CompletedProcess)."""
     out = tmp_path_factory.mktemp("nvcc")
-    jobs = {}
+    jobs = []  # (node id, command)
     for item in request.session.items:
         if getattr(item, "module", None) is not request.module or not hasattr(item, "callspec"):
             continue
         params = item.callspec.params
         if item.originalname == "test_compiles":
-            jobs[item.nodeid] = compile_commands(params["source"], params["arch"], out)
+            jobs += [(item.nodeid, cmd) for cmd in compile_commands(params["source"], params["arch"], out)]
         elif item.originalname == "test_ptx_keeps_ieee_under_cupy_options":
-            jobs[item.nodeid] = [ptx_command(params["name"], params["arch"], out)]
-    order = sorted((cmd for cmds in jobs.values() for cmd in cmds), key=lambda cmd: "-DRC_RING_ONE_ENTRY" not in cmd)
+            jobs.append((item.nodeid, ptx_command(params["name"], params["arch"], out)))
     pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
-    futures = {id(cmd): pool.submit(run_beside, cmd, timeout=600) for cmd in order}
-    yield {nodeid: [(cmd, futures[id(cmd)]) for cmd in cmds] for nodeid, cmds in jobs.items()}
+    runs: dict[str, list] = {}
+    for nodeid, cmd in sorted(jobs, key=lambda job: "-DRC_RING_ONE_ENTRY" not in job[1]):  # (ring.cu's first)
+        runs.setdefault(nodeid, []).append((cmd, pool.submit(run_beside, cmd, timeout=600)))
+    yield runs
     pool.shutdown(cancel_futures=True)
 
 

@@ -42,8 +42,10 @@ def test_gpu_tests_pass_on_the_emulated_gpu(emulated_gpu_env, variant):
     if variant == "scratch":  # pool blocks that cannot be exported: the IPC scratch-buffer path
         env["RINGCOMM_EMULATED_NO_IPC_POOL"] = "1"
         env["RINGCOMM_TEST_TRANSPORTS"] = "ipc"  # (the one that exports user buffers)
-        tests = [f"{COLLECTIVES}{name}[nprocs=3]" for name in ("cuda_collectives_every_op_and_dtype",
-                 "large_buffers_pipeline_and_back_to_back_reuse")]  # fmt: skip
+        tests = [
+            f"{COLLECTIVES}cuda_collectives_every_op_and_dtype[nprocs=3]",
+            f"{COLLECTIVES}large_buffers_pipeline_and_back_to_back_reuse[nprocs=3]",
+        ]
         least = len(tests)
     if variant == "two-gpus-per-node":  # 2 simulated nodes x 2 devices with peer access: IPC across GPUs
         env["RINGCOMM_EMULATED_DEVICES"], env["RINGCOMM_EMULATED_PEER_ACCESS"] = "2", "all"
